@@ -1,0 +1,49 @@
+"""The attention backend interface and its registry."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tandem.engine.metadata import StepMetadata
+
+
+class AttentionBackend(Protocol):
+    """Paged attention for the *full* cache-group kind.
+
+    `forward` writes this step's K/V into the cache at `slot_mapping`, then attends each request's
+    query tokens causally to all of its cached tokens.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        step: StepMetadata,
+        group: int,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+_BACKENDS: dict[str, type] = {}
+
+
+def register_attention_backend(name: str):
+    def wrap(cls: type) -> type:
+        _BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    # Import for registration side effects.
+    from tandem.attention import torch_ref  # noqa: F401
+
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

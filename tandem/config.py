@@ -1,0 +1,126 @@
+"""Frozen, typed configuration. Every CLI flag maps to one field here.
+
+"auto" values are resolved when the config is built (`EngineConfig.resolve` and the CLI); a config
+object is never mutated afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as `4GiB`, `512MiB`, `2G` or `1000000` into bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 4GiB, 512MiB or a byte count")
+    value, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if (binary or unit) else 1  # plain 'G' is read as GiB, as vLLM does
+    power = " KMGT".index(unit) if unit else 0
+    return int(value * base**power)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"--device must be auto, cuda or cpu, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        # fp32 on CPU keeps results exact against transformers; bf16 is what GPUs serve in.
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} unknown; choose auto, {', '.join(sorted(set(DTYPES)))}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # directory of an HF-format checkpoint
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: from the checkpoint's config (max_position_embeddings)
+    served_model_name: str | None = None
+    chat_template: str | None = None  # a path or an inline jinja template; None: the tokenizer's
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; overrides gpu_memory_utilization, works on any device
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("--kv-cache-memory must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_queued_requests: int = 1024
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding (a later issue). `max_k` already sizes the runner's query shapes."""
+
+    max_k: int = 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    log_stats_interval: float = 10.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_n: int = 16
+    shutdown_timeout: float = 30.0
+    max_header_bytes: int = 64 * 1024  # uvicorn's h11 limit on a request's header block

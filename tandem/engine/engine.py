@@ -1,0 +1,330 @@
+"""LLMEngine: add requests, step, abort. One step is schedule -> run -> sample -> postprocess."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.core import ParamError, Request, RequestOutput, SamplingParams, TokenLogprobs
+from tandem.engine.metrics import EngineMetrics, StatsWindow
+from tandem.engine.runner import ModelRunner, allocate_kv_caches
+from tandem.engine.sampler import Sampler
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.kv.manager import KVCacheManager
+from tandem.kv.spec import group_layers
+from tandem.models.loader import inspect_checkpoint, load_checkpoint
+from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("tandem")
+
+GiB = 1024**3
+DEFAULT_CPU_KV_MEMORY = 4 * GiB  # as vLLM's CPU backend: KV space is a fixed budget on CPU
+
+
+@dataclass
+class _ReqState:
+    """Engine-side bookkeeping of a request (text, timing) that the scheduler does not need."""
+
+    detok: IncrementalDetokenizer
+    sent_chars: int = 0  # characters of detok.text already returned
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = torch.device(mc.device)
+        info = inspect_checkpoint(mc.model)  # validates every file before memory is touched
+        self.tokenizer = Tokenizer.from_dir(mc.model)
+        self.model_name = mc.served_model_name or info.model_dir.resolve().name
+        elem = torch.empty((), dtype=mc.dtype).element_size()
+        used = (e for name, e in info.tensors.items() if name not in info.unused)
+        self._check_weights_fit(sum(math.prod(e.shape) for e in used) * elem)
+        self.model, _ = load_checkpoint(mc.model, mc.dtype, self.device)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.vocab_size = int(info.config["vocab_size"])
+        self.max_model_len = mc.max_model_len or self.model.max_position_embeddings
+        if mc.max_model_len and mc.max_model_len > self.model.max_position_embeddings:
+            logger.warning(
+                "--max-model-len %d exceeds the model's max_position_embeddings %d; outputs past it "
+                "are not what the model was trained for", mc.max_model_len, self.model.max_position_embeddings,
+            )
+        groups = group_layers(self.model.kv_cache_specs())
+        block_size = config.cache.block_size
+        num_blocks = self._plan_kv_blocks(groups, block_size)
+        self.kv = KVCacheManager(groups, num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv_caches = allocate_kv_caches(self.model, groups, num_blocks, block_size, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.sampler = Sampler(self.device, mc.seed)
+        self.metrics = EngineMetrics(self.model_name)
+        self.states: dict[str, _ReqState] = {}
+        self._window = StatsWindow(time.monotonic())
+        self._prefix_reported = (0, 0)  # prefix-cache counters already pushed to Prometheus
+        self._log_summary(num_blocks, block_size)
+
+    # -- start-up planning ------------------------------------------------------------------
+    def _check_weights_fit(self, weights_bytes: int) -> None:
+        if self.device.type != "cuda":
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = self.config.cache.gpu_memory_utilization * total
+        if weights_bytes > min(budget, free):
+            raise MemoryError(
+                f"the weights need {weights_bytes / GiB:.2f} GiB but --gpu-memory-utilization "
+                f"{self.config.cache.gpu_memory_utilization} of this GPU allows {budget / GiB:.2f} GiB "
+                f"({free / GiB:.2f} GiB free); raise it or use a smaller model"
+            )
+
+    def _plan_kv_blocks(self, groups, block_size: int) -> int:  # noqa: ANN001
+        bytes_per_block = sum(g.bytes_per_block(block_size) for g in groups)
+        cc = self.config.cache
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        else:
+            budget = DEFAULT_CPU_KV_MEMORY
+        num_blocks = budget // bytes_per_block
+        needed = -(-self.max_model_len // block_size)
+        if num_blocks < needed:
+            raise MemoryError(
+                f"KV cache needs {needed * bytes_per_block / GiB:.2f} GiB for one request at "
+                f"--max-model-len {self.max_model_len} but the budget leaves {budget / GiB:.2f} GiB; "
+                "lower --max-model-len or raise --kv-cache-memory / --gpu-memory-utilization"
+            )
+        # More blocks than every sequence at full length could use is wasted memory.
+        useful = needed * self.config.scheduler.max_num_seqs + 1
+        return int(min(num_blocks, useful))
+
+    def _profile_free_gpu_memory(self) -> int:
+        """Run one forward pass at the largest step size to measure activation memory, then give
+        the KV cache what --gpu-memory-utilization leaves."""
+        from tandem.engine.scheduler import ScheduledRequest
+
+        tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        groups = group_layers(self.model.kv_cache_specs())
+        bs = self.config.cache.block_size
+        scratch_blocks = -(-tokens // bs) + 1
+        kv = KVCacheManager(groups, scratch_blocks, bs, enable_prefix_caching=False)
+        allocate_kv_caches(self.model, groups, scratch_blocks, bs, self.device)
+        req = Request("__profile__", [0] * tokens, SamplingParams(max_tokens=1))
+        kv.allocate_slots(req, tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ModelRunner(self.model, kv, self.device).execute([ScheduledRequest.of(req, tokens)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.model.bind_kv_caches([], [])
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info(self.device)
+        budget = int(self.config.cache.gpu_memory_utilization * total - peak)
+        logger.info("Memory profile: peak %.2f GiB during a %d-token step; %.2f GiB left for the KV cache",
+                    peak / GiB, tokens, max(budget, 0) / GiB)
+        return max(budget, 0)
+
+    def _log_summary(self, num_blocks: int, block_size: int) -> None:
+        capacity = num_blocks * block_size
+        logger.info(
+            "Tandem engine ready: model %s, dtype %s, device %s, weights %.2f GiB, KV cache %d tokens "
+            "(%d blocks of %d), max model len %d, maximum concurrency at max model len: %.2fx",
+            self.model_name, str(self.config.model.dtype).removeprefix("torch."), self.device,
+            self.weights_bytes / GiB, capacity, num_blocks, block_size, self.max_model_len,
+            capacity / self.max_model_len,
+        )
+
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the context length; returns its resolved max_tokens."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ParamError("the prompt is empty", "prompt")
+        vocab = self.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len or n >= self.max_model_len:
+            raise ParamError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "max_tokens" if params.max_tokens is not None and n < self.max_model_len else "messages",
+            )
+        return max_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id} is already in use")
+        max_tokens = self.validate(prompt_token_ids, params)
+        eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos, max_tokens=max_tokens)
+        try:
+            self.scheduler.add(req)
+        except ValueError as e:
+            raise ParamError(str(e), "messages") from e
+        self.states[request_id] = _ReqState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and free its blocks. False if it was not (or no longer) in the engine."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.requests)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs = [self._reject(r) for r in sched.rejected]
+        if sched.is_empty:
+            self._update_gauges()
+            return outputs
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        prompt_tokens = sum(
+            max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in sched.scheduled
+        )
+        logits = self.runner.execute(sched.scheduled)
+        self.scheduler.update_after_step(sched)
+        sampled = self.sampler(logits, sampling)
+        outputs += self._postprocess(sched, prompt_tokens, sampling, sampled.token_ids, sampled.logprobs)
+        self._update_gauges()
+        return outputs
+
+    def _postprocess(self, sched: SchedulerOutput, prompt_tokens: int, reqs: list[Request], tokens: list[int],
+                     logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
+        now = time.monotonic()
+        window = self._window
+        m = self.metrics
+        window.prompt_tokens += prompt_tokens
+        m.label(m.prompt_tokens).inc(prompt_tokens)
+        m.label(m.preemptions).inc(len(sched.preempted))
+        outputs = []
+        for req, token, lp in zip(reqs, tokens, logprobs):
+            state = self.states[req.request_id]
+            req.output_token_ids.append(token)
+            window.generation_tokens += 1
+            m.label(m.generation_tokens).inc()
+            if state.first_token_time is None:
+                state.first_token_time = now
+                m.label(m.ttft).observe(now - req.arrival_time)
+            else:
+                m.label(m.itl).observe(now - (state.last_token_time or now))
+            state.last_token_time = now
+            outputs.append(self._emit(req, state, token, lp))
+        return outputs
+
+    def _emit(self, req: Request, state: _ReqState, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        """Detokenize the new token, apply stop conditions, and build the request's delta."""
+        params = req.params
+        finish, stop_reason = None, None
+        stopped_by_token = False
+        if token in req.eos_token_ids and req.num_output_tokens > params.min_tokens - 1:
+            finish, stopped_by_token = "stop", True
+        elif token in params.stop_token_ids and req.num_output_tokens > params.min_tokens - 1:
+            finish, stop_reason, stopped_by_token = "stop", token, True
+        if not stopped_by_token or params.include_stop_str_in_output:
+            state.detok.push([token])
+        text = state.detok.text
+        hold = 0
+        if params.stop and finish is None and req.num_output_tokens >= params.min_tokens:
+            hit = self._find_stop(text, state.sent_chars, params.stop)
+            if hit is not None:
+                pos, stop = hit
+                end = pos + len(stop) if params.include_stop_str_in_output else pos
+                text = text[:end]
+                finish, stop_reason = "stop", stop
+            else:
+                # Hold back a possible partial stop string at the end of the text.
+                hold = max(len(s) for s in params.stop) - 1
+        if finish is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            hold = 0
+        emit_upto = max(state.sent_chars, len(text) - hold)
+        new_text = text[state.sent_chars : emit_upto]
+        state.sent_chars = emit_upto
+        if lp is not None:
+            state.pending_logprobs.append(lp)
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_text=new_text,
+            finished=finish is not None,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            logprobs=state.pending_logprobs if params.logprobs is not None else None,
+        )
+        state.pending_logprobs = []
+        if finish is not None:
+            req.stop_reason = stop_reason
+            self._finish(req, finish)
+        return out
+
+    @staticmethod
+    def _find_stop(text: str, sent: int, stops: Iterable[str]) -> tuple[int, str] | None:
+        """Earliest stop string in the unsent tail (a stop may straddle already-sent text only if
+        it was held back, which `hold` guarantees)."""
+        best: tuple[int, str] | None = None
+        for stop in stops:
+            pos = text.find(stop, max(0, sent - len(stop) + 1))
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        return best
+
+    def _finish(self, req: Request, reason: str) -> None:
+        state = self.states.pop(req.request_id, None)
+        self.scheduler.finish(req, reason)
+        self.sampler.release(req.request_id)
+        m = self.metrics
+        m.label(m.e2e).observe(time.monotonic() - req.arrival_time)
+        m.success.labels(model_name=self.model_name, finished_reason=reason).inc()
+        del state
+
+    def _reject(self, req: Request) -> RequestOutput:
+        message = (
+            f"request {req.request_id} needs {self.kv.blocks_needed(req.num_tokens + 1)} KV blocks but the "
+            f"cache has {self.kv.num_blocks}; raise --kv-cache-memory or shorten the request"
+        )
+        logger.error(message)
+        req.finish_reason = "error"
+        self._finish(req, "error")
+        return RequestOutput(req.request_id, [], "", True, "error", num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=req.num_output_tokens, error=message)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.label(m.running).set(len(self.scheduler.running))
+        m.label(m.waiting).set(len(self.scheduler.waiting))
+        m.label(m.kv_usage).set(self.kv.usage)
+        q, h = self.kv.prefix_queries, self.kv.prefix_hits
+        if q != self._prefix_reported[0]:
+            m.label(m.prefix_queries).inc(q - self._prefix_reported[0])
+            m.label(m.prefix_hits).inc(h - self._prefix_reported[1])
+            self._prefix_reported = (q, h)
+
+    def stats_line(self) -> str:
+        """The periodic stats line over the window since the last one; starts a new window."""
+        q, h = self.kv.prefix_queries, self.kv.prefix_hits
+        line = self._window.line(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage, q, h)
+        self._window = StatsWindow(time.monotonic(), q, h)
+        return line

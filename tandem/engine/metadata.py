@@ -1,0 +1,37 @@
+"""Per-step metadata: one object built by the runner for each forward pass, read by attention,
+sampling and (later) speculative verification. Nothing reads step state from globals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """The token layout of one step.
+
+    Tokens of all scheduled requests are packed back to back: request i owns query tokens
+    `query_start_loc[i]:query_start_loc[i+1]` (1 for decode, 1+K for speculative verify, a chunk for
+    prefill). `seq_lens[i]` counts its tokens in the cache *after* this step's writes.
+    """
+
+    request_ids: tuple[str, ...]
+    query_start_loc: torch.Tensor  # [B+1] int32, device
+    seq_lens: torch.Tensor  # [B] int32, device
+    block_tables: tuple[torch.Tensor, ...]  # per cache group: [B, max_blocks] int32, device
+    slot_mappings: tuple[torch.Tensor, ...]  # per cache group: [T] int64, device (block*bs + offset)
+    logits_indices: torch.Tensor  # [S] int64, device: token rows whose logits are sampled
+    # Host copies: the torch reference attention loops over requests with these.
+    query_start_loc_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]

@@ -1,0 +1,166 @@
+"""Continuous batching: which requests run this step and how many tokens each.
+
+One token budget per step (`max_num_batched_tokens`) is shared by decodes and prefill chunks.
+Running requests go first (so decodes keep flowing while a long prompt is prefilled in chunks),
+then waiting ones in arrival order. When blocks run out the newest running request is preempted:
+its blocks are freed and it is recomputed later from its prompt and the tokens it already has.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.config import SchedulerConfig
+from tandem.core import Request, RequestStatus
+from tandem.kv.manager import KVCacheManager
+
+logger = logging.getLogger("tandem")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step, fixed when scheduled (the request itself moves on)."""
+
+    request: Request
+    start: int  # first query position (the request's computed tokens when scheduled)
+    num_tokens: int  # query tokens this step
+    samples: bool  # the step reaches the request's last known token: its logits are sampled
+
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that can never fit in the KV cache; the engine finishes them with an error.
+    rejected: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises ValueError when its prompt can never fit in the KV cache."""
+        if not self.kv.can_fit(req.num_tokens + 1):
+            raise ValueError(
+                f"the prompt needs {self.kv.blocks_needed(req.num_tokens + 1)} KV blocks but the cache "
+                f"has {self.kv.num_blocks}; shorten the prompt or raise --kv-cache-memory"
+            )
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Remove a request (finished, aborted or rejected) and free its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # cannot happen for a running request; guard against a stuck loop
+                i += 1
+                continue
+            if not self._allocate_or_preempt(req, n, out, scheduled_ids):
+                break  # req itself was preempted (it was the newest); nothing after it runs
+            out.scheduled.append(ScheduledRequest.of(req, n))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+            i += 1
+
+        # New work only when nothing was preempted this step: otherwise it would take the blocks back.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit = self.kv.find_prefix(req)
+            remaining = req.num_tokens - hit.num_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not self.kv.allocate_slots(req, n, hit):
+                if not self.running:
+                    # An empty cache cannot hold it: it would wait forever. Reject instead.
+                    self.waiting.popleft()
+                    out.rejected.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = hit.num_tokens
+            req.num_computed_tokens = hit.num_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest.of(req, n))
+            budget -= n
+        return out
+
+    def _allocate_or_preempt(
+        self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]
+    ) -> bool:
+        """Allocate slots for a running request, preempting the newest running requests until it
+        fits. False if `req` itself had to be preempted."""
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running[-1]
+            if victim.request_id in scheduled_ids:  # never preempt work already in this step
+                return False
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                if not self.running and not self.kv.can_fit(req.num_tokens + 1):
+                    # Alone it cannot grow further: the cache is smaller than this sequence.
+                    self.waiting.remove(req)
+                    out.rejected.append(req)
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (%d tokens); it will be recomputed", req.request_id, req.num_tokens)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts once the step's forward pass ran."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_tokens

@@ -1,0 +1,94 @@
+"""Offline use: `tandem.LLM(model_dir).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size, resolve_device, resolve_dtype
+from tandem.core import SamplingParams, TokenLogprobs
+from tandem.engine.engine import LLMEngine
+
+
+@dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLM:
+    """Generate for a list of prompts (strings or token-id lists) with continuous batching."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: str | int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+    ) -> None:
+        dev = resolve_device(device)
+        config = EngineConfig(
+            model=ModelConfig(model, resolve_dtype(dtype, dev), dev, max_model_len, seed=seed),
+            cache=CacheConfig(block_size, gpu_memory_utilization,
+                              parse_size(kv_cache_memory) if kv_cache_memory is not None else None,
+                              enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[Completion]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        results: dict[str, Completion] = {}
+        order = []
+        for prompt, p in zip(prompts, per_prompt):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, ids, p)
+            results[rid] = Completion(ids)
+            order.append(rid)
+        bar = tqdm(total=len(order), disable=not use_tqdm, desc="Generating")
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                c = results[out.request_id]
+                c.token_ids.extend(out.new_token_ids)
+                c.text += out.new_text
+                c.num_cached_tokens = out.num_cached_tokens
+                if out.logprobs:
+                    c.logprobs.extend(out.logprobs)
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
+             **template_kwargs: Any) -> Completion:
+        from tandem.server.chat_template import render_chat_template
+
+        text = render_chat_template(self.tokenizer, messages, add_generation_prompt=True, **template_kwargs)
+        return self.generate([self.tokenizer.encode(text)], sampling_params)[0]

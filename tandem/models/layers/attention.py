@@ -1,0 +1,71 @@
+"""GQA self-attention over the paged KV cache: q/k/v projections, per-head q/k RMSNorm (Qwen3),
+rotary, then the attention backend, which writes this step's K/V and attends."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.attention import get_attention_backend
+from tandem.attention.backend import AttentionBackend
+from tandem.engine.metadata import StepMetadata
+from tandem.models.layers.norm import RMSNorm
+from tandem.models.layers.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    """Parameter names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm) match HF checkpoints.
+
+    The KV cache is not a parameter or buffer: the runner binds it after allocation through
+    `bind_kv_cache`, so it never appears in `state_dict()` and survives `to_empty`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        qk_norm: bool = True,
+        rms_norm_eps: float = 1e-6,
+        backend: str = "torch",
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.backend: AttentionBackend = get_attention_backend(backend)
+        self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
+        self.cache_group = 0
+
+    def bind_kv_cache(self, cache: torch.Tensor, group: int) -> None:
+        self.kv_cache = cache
+        self.cache_group = group
+
+    def set_backend(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepMetadata
+    ) -> torch.Tensor:
+        """hidden [T, H], cos/sin [T, D] -> [T, H]."""
+        if self.kv_cache is None:
+            raise RuntimeError("attention layer has no KV cache; call model.bind_kv_caches() first")
+        T = hidden.shape[0]
+        q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos, sin)
+        out = self.backend.forward(q, k, v, self.kv_cache, step, self.cache_group, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

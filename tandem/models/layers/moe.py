@@ -1,0 +1,124 @@
+"""Sparse MoE block: a softmax top-k router plus routed experts run by a pluggable executor.
+
+Experts are stored as per-expert modules (`experts.{i}.gate_proj/up_proj/down_proj`), exactly the
+HF checkpoint layout. Who computes them is an executor behind a small registry:
+
+    executor(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]
+
+"torch" is the reference (a loop over the experts hit). Fused GPU kernels, the CPU executor and
+PCIe streaming register under their own names; the offload planner picks one per layer with
+`SparseMoeBlock.set_executor`, so model files never know which one runs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.layers.mlp import SwiGLUMLP
+
+
+class MoEExecutor(Protocol):
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] (hidden's dtype) -> [T, H]."""
+        ...
+
+
+# An executor factory gets the layer's expert modules (it reads their weights when called or
+# repacks them once) and returns the callable.
+ExecutorFactory = Callable[[nn.ModuleList], MoEExecutor]
+_EXECUTORS: dict[str, ExecutorFactory] = {}
+
+
+def register_moe_executor(name: str) -> Callable[[ExecutorFactory], ExecutorFactory]:
+    def wrap(factory: ExecutorFactory) -> ExecutorFactory:
+        _EXECUTORS[name] = factory
+        return factory
+
+    return wrap
+
+
+def make_moe_executor(name: str, experts: nn.ModuleList) -> MoEExecutor:
+    if name not in _EXECUTORS:
+        raise ValueError(f"unknown MoE executor {name!r}; known: {sorted(_EXECUTORS)}")
+    return _EXECUTORS[name](experts)
+
+
+def moe_executor_names() -> tuple[str, ...]:
+    return tuple(sorted(_EXECUTORS))
+
+
+@register_moe_executor("torch")
+class TorchMoEExecutor:
+    """Reference: for each expert hit, run it on its tokens and index_add the weighted result.
+
+    Holds the expert ModuleList, not its tensors, so it keeps working after the loader replaces
+    parameters (`to_empty`). Syncs with the host once per call (expert counts); fine for a
+    reference, not for CUDA graphs.
+    """
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        self.experts = experts
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        flat_weights = topk_weights.reshape(-1)
+        out = torch.zeros_like(hidden)
+        start = 0
+        for e, n in enumerate(counts):  # ascending expert order, so sums are reproducible
+            if n == 0:
+                continue
+            pairs = order[start : start + n]
+            start += n
+            tokens = pairs // k  # [n]
+            y = self.experts[e](hidden[tokens]) * flat_weights[pairs, None]  # [n, H]
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router `gate` (Linear H -> E, no bias) -> softmax (float32) -> top-k, renormalised over the
+    chosen k when `norm_topk_prob`; then the routed experts through the executor."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        hidden_act: str = "silu",
+        executor: str = "torch",
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            SwiGLUMLP(hidden_size, moe_intermediate_size, hidden_act) for _ in range(num_experts)
+        )
+        # A plain attribute (not a submodule): parameters keep their checkpoint names.
+        self.executor: MoEExecutor = make_moe_executor(executor, self.experts)
+
+    def set_executor(self, executor: MoEExecutor) -> None:
+        self.executor = executor
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in hidden's dtype)."""
+        logits = self.gate(hidden)  # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(hidden.dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        ids, weights = self.route(hidden)
+        return self.executor(hidden, ids, weights)

@@ -1,0 +1,307 @@
+"""Checkpoint loading: HF-format directory (config.json, tokenizer.json, safetensors) -> a model
+on the target device in the run dtype.
+
+`inspect_checkpoint` validates everything it can without touching device memory: the files, every
+safetensors header against its file size, and every tensor name and shape against a meta-device
+instance of the model. `load_checkpoint` then materialises the model and copies the tensors in
+(memory-mapped reads, converted to the run dtype). Every problem raises `CheckpointError` with a
+one-line message naming the file. Nothing in the directory is executed (`auto_map` is ignored) and
+nothing is written there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from tandem.models.base import CausalLM
+from tandem.models.registry import get_model_class, supported_model_types
+
+logger = logging.getLogger("tandem")
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+# safetensors dtype name -> bytes per element
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that cannot be loaded; the message is one line naming the file."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    dtype: str  # safetensors dtype name, e.g. "BF16"
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    model_dir: Path
+    config: dict[str, Any]
+    model_type: str
+    weight_files: tuple[Path, ...]
+    tensors: dict[str, TensorEntry]  # every tensor of the checkpoint, by name
+    unused: tuple[str, ...]  # checkpoint tensors the model legitimately ignores (e.g. rotary caches)
+    total_bytes: int  # tensor data bytes of the checkpoint
+
+    @property
+    def model_class(self) -> type[CausalLM]:
+        return get_model_class(self.model_type)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    model_type: str
+    model_dir: Path
+    num_tensors: int
+    bytes_read: int
+    seconds: float
+    dtype: torch.dtype
+    device: str
+
+    def summary(self) -> str:
+        return (
+            f"Loaded {self.model_type} from {self.model_dir}: {self.num_tensors} tensors, "
+            f"{self.bytes_read / 2**30:.2f} GiB in {self.seconds:.1f} s"
+        )
+
+
+def _few(names: list[str] | set[str], n: int = 3) -> str:
+    names = sorted(names)
+    more = f" (and {len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing config.json; is this an HF-format model directory?")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot parse config.json ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: config.json is not a JSON object")
+    return config
+
+
+def _weight_files(model_dir: Path) -> tuple[tuple[Path, ...], dict[str, str] | None]:
+    """-> (safetensors files, the index's weight_map when sharded)."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: cannot read the shard index ({e})") from None
+        shards = sorted(set(weight_map.values()))
+        for shard in shards:
+            if not (model_dir / shard).is_file():
+                names = [k for k, v in weight_map.items() if v == shard]
+                raise CheckpointError(
+                    f"{index_path}: shard {shard} is missing from {model_dir} (it holds {_few(names)})"
+                )
+        return tuple(model_dir / s for s in shards), weight_map
+    files = tuple(sorted(model_dir.glob("*.safetensors")))
+    if files:
+        return files, None
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{model_dir / pickles[0]}: pickle checkpoints are not loaded; convert to safetensors"
+        )
+    raise CheckpointError(f"{model_dir}: missing weights (no *.safetensors files and no {INDEX_FILE})")
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors header ourselves and check every tensor's data lies inside the file."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header); re-download it")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(
+                f"{path}: truncated or corrupt safetensors file (header of {header_len} bytes, file of {size}); "
+                "re-download it"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    data_start, data_size = 8 + header_len, size - 8 - header_len
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {name}") from None
+        if dtype not in _DTYPE_BYTES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
+        if not 0 <= begin <= end or end - begin != nbytes:
+            raise CheckpointError(f"{path}: corrupt safetensors header: {name} has data_offsets "
+                                  f"[{begin}, {end}] for {nbytes} bytes of {dtype}{list(shape)}")  # fmt: skip
+        if end > data_size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: {name} ends at byte {data_start + end} "
+                f"but the file has {size} bytes; re-download it"
+            )
+        entries[name] = TensorEntry(path, dtype, shape, nbytes)
+    return entries
+
+
+def _read_tensor_index(files: tuple[Path, ...], weight_map: dict[str, str] | None) -> dict[str, TensorEntry]:
+    tensors: dict[str, TensorEntry] = {}
+    for path in files:
+        for name, entry in read_safetensors_header(path).items():
+            if name in tensors:
+                raise CheckpointError(f"{path}: tensor {name} is also in {tensors[name].file.name}")
+            tensors[name] = entry
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in tensors or tensors[name].file.name != Path(shard).name:
+                raise CheckpointError(f"{files[0].parent / INDEX_FILE}: weight_map puts {name} in {shard}, "
+                                      "but that shard does not hold it")  # fmt: skip
+    return tensors
+
+
+def _build_model(cls: type[CausalLM], config: dict[str, Any], dtype: torch.dtype, config_path: Path) -> CausalLM:
+    try:
+        with torch.device("meta"):
+            return cls(config, dtype)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
+
+
+def _match_tensors(
+    model: CausalLM, info_tensors: dict[str, TensorEntry], config: dict[str, Any], model_dir: Path
+) -> tuple[str, ...]:
+    """Check names and shapes against the (meta) model; -> checkpoint names the model ignores."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    ignored = model.ignored_checkpoint_keys()
+    tied = bool(config.get("tie_word_embeddings", False))
+    unused = [
+        n for n in info_tensors
+        if n not in expected and (any(s in n for s in ignored) or (tied and n == "lm_head.weight"))
+    ]  # fmt: skip
+    present = set(info_tensors) - set(unused)
+    missing, unexpected = set(expected) - present, present - set(expected)
+    if missing:
+        raise CheckpointError(f"{model_dir}: checkpoint is missing "
+                              f"{len(missing)} tensor(s) the model needs: {_few(missing)}; "
+                              "does config.json belong to these weights?")  # fmt: skip
+    if unexpected:
+        name = sorted(unexpected)[0]
+        raise CheckpointError(f"{info_tensors[name].file}: {len(unexpected)} unexpected tensor(s) "
+                              f"for model_type {config.get('model_type')!r}: {_few(unexpected)}")  # fmt: skip
+    for name, shape in expected.items():
+        entry = info_tensors[name]
+        if entry.shape != shape:
+            raise CheckpointError(f"{entry.file}: tensor {name} has shape {list(entry.shape)}, "
+                                  f"expected {list(shape)} from config.json")  # fmt: skip
+    return tuple(sorted(unused))
+
+
+def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
+    """Validate a checkpoint directory without allocating device memory (no tensor data is read)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    config = _read_config(model_dir)
+    if not (model_dir / "tokenizer.json").is_file():
+        raise CheckpointError(f"{model_dir / 'tokenizer.json'}: missing tokenizer.json")
+    model_type = config.get("model_type")
+    if model_type not in supported_model_types():
+        raise CheckpointError(f"{model_dir / 'config.json'}: model_type {model_type!r} is not supported; "
+                              f"supported: {', '.join(supported_model_types())}")  # fmt: skip
+    files, weight_map = _weight_files(model_dir)
+    tensors = _read_tensor_index(files, weight_map)
+    model = _build_model(get_model_class(model_type), config, torch.float32, model_dir / "config.json")
+    unused = _match_tensors(model, tensors, config, model_dir)
+    total = sum(e.nbytes for n, e in tensors.items() if n not in unused)
+    return CheckpointInfo(model_dir, config, model_type, files, tensors, unused, total)
+
+
+def _reset_buffers(model: torch.nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary inv_freq) that `to_empty` left uninitialised."""
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+
+
+@torch.no_grad()
+def load_checkpoint(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    *,
+    progress: bool = True,
+) -> tuple[CausalLM, LoadReport]:
+    """Validate (see `inspect_checkpoint`), then build the model on `device` in `dtype` and fill it.
+
+    Floating-point checkpoint tensors are converted to `dtype`. The model is returned in eval mode
+    with no KV cache bound.
+    """
+    start = time.perf_counter()
+    info = inspect_checkpoint(model_dir)
+    model = _build_model(info.model_class, info.config, dtype, info.model_dir / "config.json")
+    model.to_empty(device=device)
+    _reset_buffers(model)
+    model.eval()
+    targets = model.state_dict(keep_vars=True)  # name -> Parameter on device
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(targets):
+        by_file.setdefault(info.tensors[name].file, []).append(name)
+    bytes_read = 0
+    with tqdm(total=len(targets), desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress) as bar:
+        for path, names in by_file.items():
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    for name in names:
+                        # Memory-mapped read; copy_ converts dtype and moves to the device.
+                        targets[name].copy_(f.get_tensor(name))
+                        bytes_read += info.tensors[name].nbytes
+                        bar.update(1)
+            except (OSError, SafetensorError) as e:
+                raise CheckpointError(f"{path}: cannot read tensors ({e})") from None
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    report = LoadReport(
+        model_type=info.model_type,
+        model_dir=info.model_dir,
+        num_tensors=len(targets),
+        bytes_read=bytes_read,
+        seconds=time.perf_counter() - start,
+        dtype=dtype,
+        device=str(device),
+    )
+    logger.info(report.summary())
+    return model, report
