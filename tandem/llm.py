@@ -88,7 +88,12 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
              **template_kwargs: Any) -> Completion:
-        from tandem.server.chat_template import render_chat_template
+        """Render `messages` with the checkpoint's chat template (kwargs such as enable_thinking go
+        to the template) and generate the assistant's reply."""
+        from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 
-        text = render_chat_template(self.tokenizer, messages, add_generation_prompt=True, **template_kwargs)
-        return self.generate([self.tokenizer.encode(text)], sampling_params)[0]
+        tok = self.tokenizer
+        if tok.chat_template is None:
+            raise ChatTemplateError(f"{tok.model_dir}: the tokenizer has no chat template")
+        text = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token).render(messages, kwargs=template_kwargs)
+        return self.generate([tok.encode(text)], sampling_params)[0]

@@ -95,7 +95,9 @@ def test_abort_frees_blocks(moe):
     eng.add_request("x", prompts(3)[2], SamplingParams(max_tokens=50))
     eng.step()
     assert eng.kv.num_free_blocks < eng.kv.num_blocks
-    assert eng.abort("x") and not eng.abort("x")
+    final = eng.abort("x")
+    assert final is not None and final.finished and final.finish_reason == "abort"
+    assert eng.abort("x") is None
     assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.has_unfinished
 
 
@@ -167,3 +169,13 @@ def test_kv_budget_smaller_than_one_request_is_refused(moe):
     model_dir, _ = moe
     with pytest.raises(MemoryError, match="lower --max-model-len or raise --kv-cache-memory"):
         LLM(str(model_dir), kv_cache_memory="16KiB", max_model_len=512)
+
+
+def test_offline_chat_renders_the_template(moe):
+    model_dir, _ = moe
+    llm = LLM(str(model_dir), kv_cache_memory="32MiB")
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0.0),
+                   enable_thinking=False)
+    prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>user\nhi<|im_end|>") and prompt.endswith("<think>\n\n</think>\n\n")
+    assert len(out.token_ids) == 4

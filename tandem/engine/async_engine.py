@@ -45,6 +45,7 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.model_name = engine.model_name
@@ -83,10 +84,14 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline and not self.is_dead:
             await asyncio.sleep(0.05)
+        if self._streams:
+            logger.info("Shutdown: aborting %d unfinished requests", len(self._streams))
         for rid in list(self._streams):
             self.abort(rid)
-        if self._streams:
-            logger.info("Shutdown: aborted %d unfinished requests", len(self._streams))
+        # Give the streams a moment to receive their final "abort" outputs and close.
+        deadline = time.monotonic() + 2.0
+        while self._streams and time.monotonic() < deadline and not self.is_dead:
+            await asyncio.sleep(0.02)
         self._stop = True
         self._commands.put(None)
         if self._thread is not None:
@@ -148,7 +153,9 @@ class AsyncEngine:
                 except ValueError as e:  # ParamError included: refuse this request only
                     self._deliver(cmd.request_id, e)
             elif isinstance(cmd, _Abort):
-                self.engine.abort(cmd.request_id)
+                out = self.engine.abort(cmd.request_id)
+                if out is not None:  # a consumer still listening (shutdown) sees its stream end
+                    self._deliver(cmd.request_id, out)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:

@@ -173,13 +173,15 @@ class LLMEngine:
             raise ParamError(str(e), "messages") from e
         self.states[request_id] = _ReqState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request and free its blocks. False if it was not (or no longer) in the engine."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request and free its blocks; returns its final output (finish_reason "abort"),
+        or None if it was not (or no longer) in the engine."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
-            return False
+            return None
         self._finish(req, "abort")
-        return True
+        return RequestOutput(request_id, [], "", True, "abort", num_prompt_tokens=req.num_prompt_tokens,
+                             num_cached_tokens=req.num_cached_prompt_tokens, num_output_tokens=req.num_output_tokens)
 
     @property
     def num_unfinished(self) -> int:

@@ -1,0 +1,295 @@
+"""/v1/completions and /v1/chat/completions, streaming (SSE) and not."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from tandem.core import RequestOutput, TokenLogprobs
+from tandem.server import errors
+from tandem.server.app import ServerState, state_of
+from tandem.server.chat_template import ChatRenderError
+from tandem.server.errors import APIError
+from tandem.server.generation import (
+    ClientDisconnected,
+    build_sampling_params,
+    chat_logprobs,
+    check_context,
+    check_n,
+    completion_logprobs,
+    merge_streams,
+    new_request_id,
+    per_choice_seed,
+    start_streams,
+    unless_disconnected,
+)
+from tandem.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from tandem.server.reasoning import ReasoningParser
+from tandem.server.routes_misc import json_response, parse_body
+
+router = APIRouter()
+
+SSE_DONE = "data: [DONE]\n\n"
+CLIENT_GONE_STATUS = 499  # nginx's "client closed request": nobody reads it
+
+
+@dataclass
+class _Choice:
+    """A choice's output accumulated from its stream deltas."""
+
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        if out.finish_reason == "error":  # the engine refused it (e.g. it can never fit the KV cache)
+            raise errors.bad_request(out.error or "the engine could not run this request")
+        self.text += out.new_text
+        self.logprobs.extend(out.logprobs or ())
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        self.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+def _usage(choices: list[_Choice], n: int) -> UsageInfo:
+    """Prompt tokens count once per prompt (the first of its n choices), output tokens per choice."""
+    firsts = choices[::n]
+    prompt = sum(c.num_prompt_tokens for c in firsts)
+    completion = sum(c.num_output_tokens for c in choices)
+    cached = sum(c.num_cached_tokens for c in firsts)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[_Choice]:
+    choices = [_Choice() for _ in streams]
+    async for i, out in merge_streams(streams):
+        choices[i].add(out)
+    return choices
+
+
+def _error_event(e: Exception) -> str:
+    err = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
+    return f"data: {json.dumps(err.to_dict())}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+
+
+def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list[int]]:
+    tok = state.engine.tokenizer
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise errors.bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        ids = tok.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else list(p)
+        if any(t < 0 or t >= tok.vocab_size for t in ids):
+            raise errors.bad_request(f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
+        out.append(ids)
+    return out
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = state_of(request)
+    req = await parse_body(request, CompletionRequest)
+    state.check_model(req.model)
+    engine = state.engine
+    check_n(req.n, state.cfg.max_n)
+    if req.echo and req.logprobs is not None:
+        raise errors.bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
+    prompts = _completion_prompts(req, state)
+    for ids in prompts:
+        check_context(len(ids), req.max_tokens, engine.max_model_len)
+    params = build_sampling_params(
+        req, max_tokens=req.max_tokens, logprobs=req.logprobs, defaults=engine.tokenizer.generation_defaults
+    )
+    rid = new_request_id("cmpl")
+    jobs = [(f"{rid}-{p}-{k}", ids, per_choice_seed(params, k)) for p, ids in enumerate(prompts) for k in range(req.n)]
+    echoes = [engine.tokenizer.decode(ids) if req.echo else "" for ids in prompts for _ in range(req.n)]
+    try:
+        streams = await unless_disconnected(request, start_streams(engine, jobs))
+        if req.stream:
+            return _sse(_completion_events(state, req, rid, streams, echoes))
+        choices = await unless_disconnected(request, _collect(streams))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_GONE_STATUS)
+    tok, num_top = engine.tokenizer, req.logprobs or 0
+    resp = CompletionResponse(
+        id=rid,
+        model=engine.model_name,
+        choices=[
+            CompletionChoice(
+                index=i,
+                text=echoes[i] + c.text,
+                logprobs=completion_logprobs(tok, c.logprobs, num_top, 0) if req.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=_usage(choices, req.n),
+    )
+    return json_response(resp)
+
+
+async def _completion_events(
+    state: ServerState, req: CompletionRequest, rid: str, streams: list, echoes: list[str]
+) -> AsyncIterator[str]:
+    engine = state.engine
+    choices = [_Choice() for _ in streams]
+    offsets = [0] * len(streams)
+    try:
+        async for i, out in merge_streams(streams):
+            first = not choices[i].text and not choices[i].num_output_tokens
+            choices[i].add(out)
+            text = (echoes[i] if first else "") + out.new_text
+            lp = None
+            if req.logprobs is not None and out.logprobs:
+                lp = completion_logprobs(engine.tokenizer, out.logprobs, req.logprobs, offsets[i])
+            offsets[i] += len(out.new_text)
+            choice = CompletionChoice(
+                index=i,
+                text=text,
+                logprobs=lp,
+                finish_reason=out.finish_reason if out.finished else None,
+                stop_reason=out.stop_reason if out.finished else None,
+            )
+            yield CompletionChunk(id=rid, model=engine.model_name, choices=[choice]).sse()
+        if req.stream_options and req.stream_options.include_usage:
+            yield CompletionChunk(id=rid, model=engine.model_name, choices=[], usage=_usage(choices, req.n)).sse()
+    except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
+        yield _error_event(e)
+    yield SSE_DONE
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = state_of(request)
+    req = await parse_body(request, ChatCompletionRequest)
+    state.check_model(req.model)
+    engine = state.engine
+    check_n(req.n, state.cfg.max_n)
+    template = state.template()
+    try:
+        prompt = template.render(
+            [m.model_dump(exclude_none=True) for m in req.messages],
+            tools=req.tools,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            kwargs=req.chat_template_kwargs,
+        )
+    except ChatRenderError as e:
+        raise errors.bad_request(str(e), "messages") from e
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    check_context(len(ids), max_tokens, engine.max_model_len)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise errors.bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, defaults=engine.tokenizer.generation_defaults)
+    rid = new_request_id("chatcmpl")
+    jobs = [(f"{rid}-{k}", ids, per_choice_seed(params, k)) for k in range(req.n)]
+    kwargs = {**template.default_kwargs, **(req.chat_template_kwargs or {})}
+    parsers = [state.reasoning_parser(prompt, kwargs) if state.reasoning_parser else None for _ in jobs]
+    try:
+        streams = await unless_disconnected(request, start_streams(engine, jobs))
+        if req.stream:
+            return _sse(_chat_events(state, req, rid, streams, parsers))
+        choices = await unless_disconnected(request, _collect(streams))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_GONE_STATUS)
+    out = []
+    for i, (c, parser) in enumerate(zip(choices, parsers)):
+        reasoning, content = parser.extract(c.text) if parser else (None, c.text)
+        if content is None and reasoning is None:
+            content = ""
+        lp = chat_logprobs(engine.tokenizer, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+        message = ChatMessageOut(content=content, reasoning_content=reasoning, reasoning=reasoning)
+        out.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    resp = ChatCompletionResponse(id=rid, model=engine.model_name, choices=out, usage=_usage(choices, req.n))
+    return json_response(resp)
+
+
+def _split(parser: ReasoningParser | None, text: str, finished: bool) -> tuple[str | None, str | None]:
+    if parser is None:
+        return None, text or None
+    reasoning, content = parser.delta(text)
+    if finished:
+        r2, c2 = parser.flush()
+        reasoning = (reasoning or "") + (r2 or "") or None
+        content = (content or "") + (c2 or "") or None
+    return reasoning, content
+
+
+async def _chat_events(
+    state: ServerState, req: ChatCompletionRequest, rid: str, streams: list, parsers: list
+) -> AsyncIterator[str]:
+    engine = state.engine
+    model = engine.model_name
+    choices = [_Choice() for _ in streams]
+    try:
+        for i in range(len(streams)):
+            role = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            yield ChatCompletionChunk(id=rid, model=model, choices=[role]).sse()
+        async for i, out in merge_streams(streams):
+            choices[i].add(out)
+            reasoning, content = _split(parsers[i], out.new_text, out.finished)
+            lp = None
+            if req.logprobs and out.logprobs:
+                lp = chat_logprobs(engine.tokenizer, out.logprobs, req.top_logprobs or 0)
+            if reasoning is None and content is None and lp is None and not out.finished:
+                continue  # e.g. a tag held back by the reasoning parser
+            choice = ChatChunkChoice(
+                index=i,
+                delta=DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning),
+                logprobs=lp,
+                finish_reason=out.finish_reason if out.finished else None,
+                stop_reason=out.stop_reason if out.finished else None,
+            )
+            yield ChatCompletionChunk(id=rid, model=model, choices=[choice]).sse()
+        if req.stream_options and req.stream_options.include_usage:
+            yield ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(choices, req.n)).sse()
+    except Exception as e:  # noqa: BLE001 - the status line is sent already: report in the stream
+        yield _error_event(e)
+    yield SSE_DONE
