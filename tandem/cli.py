@@ -205,7 +205,8 @@ def _load_engine_in_thread(engine_cfg: EngineConfig, builtin: bool) -> asyncio.F
                 cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model=str(ensure_builtin_model())))
             engine = AsyncEngine.from_config(cfg)
         except BaseException as e:  # noqa: BLE001 - reported by the serving coroutine
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+            # Bind now: Python unbinds `e` when the except block ends, before the callback runs.
+            loop.call_soon_threadsafe(lambda err=e: fut.done() or fut.set_exception(err))
         else:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(engine))
 

@@ -40,7 +40,7 @@ def reference(hf: torch.nn.Module, prompt: list[int], n: int = 64) -> list[int]:
 def test_greedy_batch_is_token_identical_to_transformers(kind, request):
     model_dir, hf = request.getfixturevalue(kind)
     ps = prompts(4)
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB")
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
     outs = llm.generate(ps, GREEDY)
     for p, o in zip(ps, outs):
         assert o.token_ids == reference(hf, p)
@@ -52,7 +52,7 @@ def test_chunked_prefill_and_prefix_hits_keep_greedy_identical(moe):
     ps = prompts(3, seed=1)
     refs = [reference(hf, p) for p in ps]
     # 16-token budget: every prompt is prefilled in chunks while the others decode.
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB", max_num_batched_tokens=16)
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB", max_num_batched_tokens=16)
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == refs
     # Same prompts again: their full blocks come from the prefix cache.
     again = llm.generate(ps, GREEDY)
@@ -67,7 +67,7 @@ def test_preemption_recompute_keeps_greedy_identical(moe):
     refs = [reference(hf, p) for p in ps]
     # A cache of 24 blocks (384 tokens) cannot hold all four sequences at full length.
     kv_bytes = 24 * 16 * 2 * 2 * 16 * 4 * 2  # blocks*bs * K,V * kv_heads * head_dim * fp32 * layers
-    llm = LLM(str(model_dir), kv_cache_memory=kv_bytes, max_model_len=192, enable_prefix_caching=False)
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory=kv_bytes, max_model_len=192, enable_prefix_caching=False)
     outs = llm.generate(ps, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == refs
@@ -76,7 +76,7 @@ def test_preemption_recompute_keeps_greedy_identical(moe):
 def test_logits_match_transformers_through_the_engine(dense):
     model_dir, hf = dense
     p = prompts(5)[4]
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB")
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
     out = llm.generate([p], params)[0]
     full = torch.tensor([p + out.token_ids[:-1]])
@@ -90,7 +90,7 @@ def test_logits_match_transformers_through_the_engine(dense):
 
 def test_abort_frees_blocks(moe):
     model_dir, _ = moe
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB")
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
     eng = llm.engine
     eng.add_request("x", prompts(3)[2], SamplingParams(max_tokens=50))
     eng.step()
@@ -103,7 +103,7 @@ def test_abort_frees_blocks(moe):
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(moe):
     model_dir, _ = moe
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB")
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
     p = prompts(1)[0]
     params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate([p], params)[0].token_ids
@@ -116,7 +116,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(moe):
 
 def test_stop_conditions(moe):
     model_dir, _ = moe
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB")
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
     p = prompts(2)[1]
     free = llm.generate([p], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
     # A stop token id taken from the free-running output stops right there.
@@ -140,7 +140,7 @@ def test_stop_conditions(moe):
 
 def test_eos_stops_unless_ignored(moe):
     model_dir, _ = moe
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB")
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
     eng = llm.engine
     p = prompts(1)[0]
     free = llm.generate([p], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
@@ -154,7 +154,7 @@ def test_eos_stops_unless_ignored(moe):
 
 def test_context_length_is_enforced_with_vllm_wording(moe):
     model_dir, _ = moe
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB", max_model_len=128)
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB", max_model_len=128)
     with pytest.raises(ParamError, match=r"This model's maximum context length is 128 tokens\. However, you "
                                          r"requested 150 tokens \(100 in the messages, 50 in the completion\)"):
         llm.engine.add_request("a", list(range(100)), SamplingParams(max_tokens=50))
@@ -168,12 +168,12 @@ def test_context_length_is_enforced_with_vllm_wording(moe):
 def test_kv_budget_smaller_than_one_request_is_refused(moe):
     model_dir, _ = moe
     with pytest.raises(MemoryError, match="lower --max-model-len or raise --kv-cache-memory"):
-        LLM(str(model_dir), kv_cache_memory="16KiB", max_model_len=512)
+        LLM(str(model_dir), device="cpu", kv_cache_memory="16KiB", max_model_len=512)
 
 
 def test_offline_chat_renders_the_template(moe):
     model_dir, _ = moe
-    llm = LLM(str(model_dir), kv_cache_memory="32MiB")
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0.0),
                    enable_thinking=False)
     prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)

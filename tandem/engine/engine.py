@@ -123,13 +123,14 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(self.device)
         ModelRunner(self.model, kv, self.device).execute([ScheduledRequest.of(req, tokens)])
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        self.model.bind_kv_caches([], [])
-        torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info(self.device)
-        budget = int(self.config.cache.gpu_memory_utilization * total - peak)
-        logger.info("Memory profile: peak %.2f GiB during a %d-token step; %.2f GiB left for the KV cache",
-                    peak / GiB, tokens, max(budget, 0) / GiB)
+        peak = torch.cuda.max_memory_allocated(self.device)  # weights + scratch cache + activations
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory outside torch's allocator (CUDA context, other processes) counts against the budget.
+        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = int(self.config.cache.gpu_memory_utilization * total - peak - outside_torch)
+        logger.info("Memory profile: peak %.2f GiB (weights + activations of a %d-token step), %.2f GiB outside "
+                    "torch; %.2f GiB left for the KV cache", peak / GiB, tokens, outside_torch / GiB, max(budget, 0) / GiB)
+        # The scratch caches stay bound until the real ones replace them (allocate_kv_caches).
         return max(budget, 0)
 
     def _log_summary(self, num_blocks: int, block_size: int) -> None:
