@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                    help="seconds running requests may finish after SIGINT/SIGTERM")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    from tandem.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -275,6 +278,10 @@ def run(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
+        if args.command == "bench":
+            from tandem.bench.cli import run_bench
+
+            return run_bench(args)
     except ValueError as e:
         parser.error(str(e))
     except OSError as e:

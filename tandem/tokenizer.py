@@ -107,12 +107,14 @@ class IncrementalDetokenizer:
         self.read_offset = 0
         self.text = ""
 
-    def push(self, new_ids: list[int]) -> str:
+    def push(self, new_ids: list[int], final: bool = False) -> str:
+        """Add tokens; returns the new text. Text ending in an incomplete UTF-8 character is held
+        back until more tokens complete it, or until `final` (the sequence ended) flushes it."""
         self.ids.extend(new_ids)
         dec = self.tokenizer.decode
         prefix = dec(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
         full = dec(self.ids[self.prefix_offset :], self.skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             delta = full[len(prefix) :]
             # The last decoded chunk stays as left context: some decoders (SentencePiece-style
             # metaspace) decide a token's leading space from its neighbour.

@@ -242,8 +242,11 @@ class LLMEngine:
             finish, stopped_by_token = "stop", True
         elif token in params.stop_token_ids and req.num_output_tokens > params.min_tokens - 1:
             finish, stop_reason, stopped_by_token = "stop", token, True
+        last = stopped_by_token or req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
         if not stopped_by_token or params.include_stop_str_in_output:
-            state.detok.push([token])
+            state.detok.push([token], final=last)
+        elif last:
+            state.detok.push([], final=True)
         text = state.detok.text
         hold = 0
         if params.stop and finish is None and req.num_output_tokens >= params.min_tokens:
