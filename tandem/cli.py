@@ -26,6 +26,7 @@ from tandem.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    RunnerConfig,
     SchedulerConfig,
     ServerConfig,
     parse_size,
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     s.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs (every step runs eagerly; for debugging)")
+    s.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="auto: Triton paged attention on CUDA, the torch reference elsewhere")
+    s.add_argument("--moe-backend", default="auto", choices=("auto", "torch", "grouped"),
+                   help="auto: grouped-GEMM experts on CUDA in bf16/fp16, the torch reference elsewhere")
     s.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)")
     s.add_argument("--reasoning-parser", default=None, choices=[*reasoning_parser_names(), "none"],
@@ -136,7 +143,8 @@ def build_configs(args: argparse.Namespace, model_dir: str) -> tuple[EngineConfi
         default_chat_template_kwargs=_json_object(args.default_chat_template_kwargs, "--default-chat-template-kwargs"),
         shutdown_timeout=args.shutdown_timeout,
     )
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler), server
+    runner = RunnerConfig(args.attention_backend, args.moe_backend, args.enforce_eager)
+    return EngineConfig(model=model, cache=cache, scheduler=scheduler, runner=runner), server
 
 
 # ---- serving ------------------------------------------------------------------------------------

@@ -70,6 +70,22 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class RunnerConfig:
+    """How the forward pass executes. "auto" picks the fast path on CUDA (Triton paged attention,
+    grouped-GEMM MoE, CUDA graphs for decode) and the torch reference elsewhere."""
+
+    attention_backend: str = "auto"  # auto | torch | triton
+    moe_executor: str = "auto"  # auto | torch | grouped
+    enforce_eager: bool = False  # never capture CUDA graphs
+
+    def resolve(self, device: str, dtype: torch.dtype) -> RunnerConfig:
+        fast = device == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        attn = self.attention_backend if self.attention_backend != "auto" else ("triton" if device == "cuda" else "torch")
+        moe = self.moe_executor if self.moe_executor != "auto" else ("grouped" if fast else "torch")
+        return RunnerConfig(attn, moe, self.enforce_eager or device != "cuda")
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -110,6 +126,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
     log_stats_interval: float = 10.0
 
 

@@ -8,7 +8,10 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size, resolve_device, resolve_dtype
+from tandem.config import (
+    CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpecConfig, parse_size, resolve_device,
+    resolve_dtype,
+)
 from tandem.core import SamplingParams, TokenLogprobs
 from tandem.engine.engine import LLMEngine
 
@@ -40,6 +43,10 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        enforce_eager: bool = False,
+        attention_backend: str = "auto",
+        moe_backend: str = "auto",
+        max_k: int = 0,
     ) -> None:
         dev = resolve_device(device)
         config = EngineConfig(
@@ -48,6 +55,8 @@ class LLM:
                               parse_size(kv_cache_memory) if kv_cache_memory is not None else None,
                               enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            spec=SpecConfig(max_k),
+            runner=RunnerConfig(attention_backend, moe_backend, enforce_eager),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

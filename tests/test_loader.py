@@ -84,7 +84,7 @@ def run_logits(model) -> torch.Tensor:
     step = StepMetadata(("r",), torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
                         (torch.tensor([[2, 0]], dtype=torch.int32),),
                         (torch.cat([torch.arange(32, 48), torch.arange(0, 4)]),),
-                        torch.arange(n), (0, n), (n,), 16)  # fmt: skip
+                        torch.arange(n), (0, n), (n,), 16, n)  # fmt: skip
     with torch.no_grad():
         return model.compute_logits(model(torch.arange(n) * 5 % TINY["vocab_size"], torch.arange(n), step))
 

@@ -134,6 +134,7 @@ class PagedRun:
             query_start_loc_cpu=tuple(qsl),
             seq_lens_cpu=tuple(seq_lens),
             block_size=BLOCK_SIZE,
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
         )
         with torch.no_grad():
             hidden = self.model(torch.cat(ids), torch.cat(positions), step)

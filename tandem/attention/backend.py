@@ -30,6 +30,7 @@ class AttentionBackend(Protocol):
 
 
 _BACKENDS: dict[str, type] = {}
+_UNAVAILABLE: dict[str, str] = {}  # name -> why its module failed to import
 
 
 def register_attention_backend(name: str):
@@ -44,6 +45,14 @@ def get_attention_backend(name: str = "torch") -> AttentionBackend:
     # Import for registration side effects.
     from tandem.attention import torch_ref  # noqa: F401
 
+    try:
+        from tandem.attention import triton_paged  # noqa: F401
+    except ImportError as e:  # asking for "triton" must then fail loudly, never fall back to torch
+        _UNAVAILABLE.setdefault("triton", f"attention backend 'triton' needs Triton, which failed to import ({e}); "
+                                          "install triton or pass --attention-backend torch")
+
+    if name in _UNAVAILABLE and name not in _BACKENDS:
+        raise RuntimeError(_UNAVAILABLE[name])
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

@@ -6,10 +6,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from tandem.attention import get_attention_backend
 from tandem.config import EngineConfig
 from tandem.core import ParamError, Request, RequestOutput, SamplingParams, TokenLogprobs
 from tandem.engine.metrics import EngineMetrics, StatsWindow
@@ -18,6 +20,7 @@ from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
+from tandem.models.base import CausalLM
 from tandem.models.loader import inspect_checkpoint, load_checkpoint
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -25,6 +28,8 @@ logger = logging.getLogger("tandem")
 
 GiB = 1024**3
 DEFAULT_CPU_KV_MEMORY = 4 * GiB  # as vLLM's CPU backend: KV space is a fixed budget on CPU
+CAPTURABLE_ATTENTION = {"triton"}  # backends that read only device tensors (no host syncs)
+CAPTURABLE_MOE = {"grouped"}
 
 
 @dataclass
@@ -39,19 +44,25 @@ class _ReqState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
+        """Load the checkpoint at config.model.model. `model`, if given, is used instead of the
+        checkpoint's weights (benchmarks on random weights); the directory still supplies
+        config.json and the tokenizer."""
         self.config = config
         mc = config.model
         self.device = torch.device(mc.device)
-        info = inspect_checkpoint(mc.model)  # validates every file before memory is touched
         self.tokenizer = Tokenizer.from_dir(mc.model)
-        self.model_name = mc.served_model_name or info.model_dir.resolve().name
-        elem = torch.empty((), dtype=mc.dtype).element_size()
-        used = (e for name, e in info.tensors.items() if name not in info.unused)
-        self._check_weights_fit(sum(math.prod(e.shape) for e in used) * elem)
-        self.model, _ = load_checkpoint(mc.model, mc.dtype, self.device)
+        self.model_name = mc.served_model_name or Path(mc.model).resolve().name
+        if model is None:
+            info = inspect_checkpoint(mc.model)  # validates every file before memory is touched
+            elem = torch.empty((), dtype=mc.dtype).element_size()
+            used = (e for name, e in info.tensors.items() if name not in info.unused)
+            self._check_weights_fit(sum(math.prod(e.shape) for e in used) * elem)
+        self.model = model if model is not None else load_checkpoint(mc.model, mc.dtype, self.device)[0]
+        self.runner_config = config.runner.resolve(self.device.type, mc.dtype)
+        self._install_kernels()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.vocab_size = int(info.config["vocab_size"])
+        self.vocab_size = int(self.model.hf_config["vocab_size"])
         self.max_model_len = mc.max_model_len or self.model.max_position_embeddings
         if mc.max_model_len and mc.max_model_len > self.model.max_position_embeddings:
             logger.warning(
@@ -65,6 +76,7 @@ class LLMEngine:
         self.kv_caches = allocate_kv_caches(self.model, groups, num_blocks, block_size, self.device)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv, self.device)
+        self._capture_graphs()
         self.sampler = Sampler(self.device, mc.seed)
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _ReqState] = {}
@@ -73,6 +85,35 @@ class LLMEngine:
         self._log_summary(num_blocks, block_size)
 
     # -- start-up planning ------------------------------------------------------------------
+    def _install_kernels(self) -> None:
+        """Put the configured attention backend and MoE executor into the model's layers."""
+        rc = self.runner_config
+        for layer in self.model.attention_layers():
+            layer.set_backend(get_attention_backend(rc.attention_backend))
+        if rc.moe_executor != "torch" and hasattr(self.model, "moe_blocks"):
+            from tandem.kernels.moe_grouped import install_moe_executor
+
+            install_moe_executor(self.model, rc.moe_executor)
+        logger.info("Kernels: attention %s, MoE %s", rc.attention_backend, rc.moe_executor)
+
+    def _capture_graphs(self) -> None:
+        rc = self.runner_config
+        if rc.enforce_eager:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs off (--enforce-eager): every step runs eagerly")
+            return
+        has_moe = bool(getattr(self.model, "moe_blocks", dict)())
+        blockers = []
+        if rc.attention_backend not in CAPTURABLE_ATTENTION:
+            blockers.append(f"attention backend {rc.attention_backend!r}")
+        if has_moe and rc.moe_executor not in CAPTURABLE_MOE:
+            blockers.append(f"MoE executor {rc.moe_executor!r}")
+        if blockers:
+            logger.warning("CUDA graphs off: %s cannot be captured; decode runs eagerly (slow)", " and ".join(blockers))
+            return
+        query_lens = tuple(range(1, self.config.spec.max_k + 2))  # decode, and verify of 1..Kmax drafts
+        self.runner.capture(self.config.scheduler.max_num_seqs, query_lens, self.max_model_len)
+
     def _check_weights_fit(self, weights_bytes: int) -> None:
         if self.device.type != "cuda":
             return
@@ -203,7 +244,8 @@ class LLMEngine:
         prompt_tokens = sum(
             max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in sched.scheduled
         )
-        logits = self.runner.execute(sched.scheduled)
+        logits, graphed = self.runner.execute(sched.scheduled)
+        self.metrics.model_steps.labels(model_name=self.model_name, mode="cuda_graph" if graphed else "eager").inc()
         self.scheduler.update_after_step(sched)
         sampled = self.sampler(logits, sampling)
         outputs += self._postprocess(sched, prompt_tokens, sampling, sampled.token_ids, sampled.logprobs)

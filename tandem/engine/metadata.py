@@ -27,6 +27,7 @@ class StepMetadata:
     query_start_loc_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
     block_size: int
+    max_query_len: int  # longest query of the step; fixed (1+K) in a captured decode graph
 
     @property
     def num_requests(self) -> int:

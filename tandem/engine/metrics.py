@@ -27,6 +27,8 @@ class EngineMetrics:
         self.prefix_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r)
         self.prefix_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r)
         self.preemptions = Counter("tandem:num_preemptions", "Requests preempted (to be recomputed).", labels, registry=r)
+        self.model_steps = Counter("tandem:model_steps", "Forward passes, by how they ran (cuda_graph or eager).",
+                                   labels + ["mode"], registry=r)
         self.success = Counter("tandem:request_success", "Finished requests.", labels + ["finished_reason"], registry=r)
         self.model_name = model_name
 

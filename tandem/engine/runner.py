@@ -1,9 +1,17 @@
 """Model runner: owns the device-side KV cache tensors and turns a scheduled batch into one forward
-pass (eager in this version; CUDA graphs keyed by (batch bucket, tokens per sequence) come next)."""
+pass — replaying a captured CUDA graph when the step's shape has one, eagerly otherwise.
+
+Graphs are keyed by (batch bucket, tokens per sequence): a uniform step of B requests with q query
+tokens each (decode: q = 1; speculative verify: q = 1 + K) replays `graphs[(bucket, q)]` for the
+smallest bucket >= B, padding the extra rows. Padded rows write their K/V into a reserved sink
+block that no request owns, so they never disturb real state.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,17 +27,32 @@ logger = logging.getLogger("tandem")
 def allocate_kv_caches(
     model: CausalLM, groups: tuple[CacheGroup, ...], num_blocks: int, block_size: int, device: torch.device
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, Hkv, D] tensor per attention layer, bound to the model."""
+    """One [2, num_blocks + 1, block_size, Hkv, D] tensor per attention layer, bound to the model.
+    Block `num_blocks` is the padding sink of CUDA graphs; the block pool never hands it out."""
     specs = model.kv_cache_specs()
     caches: list[torch.Tensor] = [torch.empty(0)] * len(specs)
     layer_group = [0] * len(specs)
     for g, group in enumerate(groups):
         for layer in group.layer_indices:
             s = specs[layer]
-            caches[layer] = torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device)
+            caches[layer] = torch.zeros(
+                2, num_blocks + 1, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device
+            )
             layer_group[layer] = g
     model.bind_kv_caches(caches, layer_group)
     return caches
+
+
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes graphs are captured for: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs} | set(range(16, max_num_seqs + 1, 16))
+    return tuple(sorted(sizes | {max_num_seqs}))
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [bucket * q, V] float32, the graph's output
 
 
 class ModelRunner:
@@ -38,9 +61,39 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
+        self.sink_block = kv.num_blocks  # see allocate_kv_caches
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.buckets: tuple[int, ...] = ()
 
+    # -- inputs -------------------------------------------------------------------------------
     def build_step(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
         """Pack the batch's tokens; returns input_ids [T], positions [T] and the step metadata."""
+        host = self._host_inputs(batch)
+        input_ids, positions, query_start, seq_lens, logits_indices, slots, tables = host
+
+        def dev(x: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+
+        block_tables = []
+        for g in range(len(tables)):
+            width = max(len(t) for t in tables[g])
+            padded = [t + [0] * (width - len(t)) for t in tables[g]]
+            block_tables.append(dev(padded, torch.int32).view(len(batch), width))
+        step = StepMetadata(
+            request_ids=tuple(s.request.request_id for s in batch),
+            query_start_loc=dev(query_start, torch.int32),
+            seq_lens=dev(seq_lens, torch.int32),
+            block_tables=tuple(block_tables),
+            slot_mappings=tuple(dev(sl, torch.int64) for sl in slots),
+            logits_indices=dev(logits_indices, torch.int64),
+            query_start_loc_cpu=tuple(query_start),
+            seq_lens_cpu=tuple(seq_lens),
+            block_size=self.block_size,
+            max_query_len=max(s.num_tokens for s in batch),
+        )
+        return dev(input_ids, torch.int64), dev(positions, torch.int64), step
+
+    def _host_inputs(self, batch: list[ScheduledRequest]):  # noqa: ANN202 - a tuple of host lists
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -63,32 +116,106 @@ class ModelRunner:
             seq_lens.append(end)
             if s.samples:
                 logits_indices.append(query_start[-1] - 1)
+        return input_ids, positions, query_start, seq_lens, logits_indices, slots, tables
 
-        def dev(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
-
-        block_tables = []
-        for g in range(n_groups):
-            width = max(len(t) for t in tables[g])
-            padded = [t + [0] * (width - len(t)) for t in tables[g]]
-            block_tables.append(dev(padded, torch.int32).view(len(batch), width))
-        step = StepMetadata(
-            request_ids=tuple(s.request.request_id for s in batch),
-            query_start_loc=dev(query_start, torch.int32),
-            seq_lens=dev(seq_lens, torch.int32),
-            block_tables=tuple(block_tables),
-            slot_mappings=tuple(dev(sl, torch.int64) for sl in slots),
-            logits_indices=dev(logits_indices, torch.int64),
-            query_start_loc_cpu=tuple(query_start),
-            seq_lens_cpu=tuple(seq_lens),
-            block_size=bs,
-        )
-        return dev(input_ids, torch.int64), dev(positions, torch.int64), step
-
+    # -- execution ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledRequest]) -> torch.Tensor:
-        """Run one forward pass; returns logits [S, V] float32 for the requests that sample, in
-        batch order."""
+    def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, bool]:
+        """Run one forward pass. Returns (logits [S, V] float32 for the requests that sample, in
+        batch order; whether a CUDA graph ran)."""
+        key = self._graph_key(batch)
+        if key is not None:
+            return self._replay(batch, key), True
         input_ids, positions, step = self.build_step(batch)
         hidden = self.model(input_ids, positions, step)  # [T, H]
-        return self.model.compute_logits(hidden[step.logits_indices])  # [S, V]
+        return self.model.compute_logits(hidden[step.logits_indices]), False  # [S, V]
+
+    def _graph_key(self, batch: list[ScheduledRequest]) -> tuple[int, int] | None:
+        if not self.graphs:
+            return None
+        q = batch[0].num_tokens
+        if any(s.num_tokens != q or not s.samples for s in batch):
+            return None  # prefill chunks and mixed steps run eagerly
+        bucket = next((b for b in self.buckets if b >= len(batch)), None)
+        if bucket is None or (bucket, q) not in self.graphs:
+            return None
+        return bucket, q
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+    def capture(self, max_num_seqs: int, query_lens: tuple[int, ...], max_model_len: int) -> None:
+        """Capture decode graphs for every (batch bucket, query length). Logs progress and shapes."""
+        self.buckets = batch_buckets(max_num_seqs)
+        max_b, max_q = self.buckets[-1], max(query_lens)
+        n_groups = len(self.kv.groups)
+        max_blocks = -(-max_model_len // self.block_size) + 1
+        dev = self.device
+        # Static inputs every graph reads; replay copies the step's values into their prefixes.
+        self._ids = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
+        self._pos = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
+        self._qsl = torch.zeros(max_b + 1, dtype=torch.int32, device=dev)
+        self._seq = torch.ones(max_b, dtype=torch.int32, device=dev)
+        self._tables = [torch.full((max_b, max_blocks), self.sink_block, dtype=torch.int32, device=dev)
+                        for _ in range(n_groups)]
+        self._slots = [torch.full((max_b * max_q,), self.sink_block * self.block_size, dtype=torch.int64, device=dev)
+                       for _ in range(n_groups)]
+        self._all_rows = torch.arange(max_b * max_q, dtype=torch.int64, device=dev)
+        shapes = [(b, q) for q in query_lens for b in reversed(self.buckets)]  # largest first: pool reuse
+        pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        logger.info("Capturing CUDA graphs (decode): %d shapes, batch buckets %s x query lengths %s",
+                    len(shapes), list(self.buckets), list(query_lens))
+        with torch.inference_mode():
+            for i, (b, q) in enumerate(shapes):
+                self._fill_static_pattern(b, q)
+                step = self._static_step(b, q)
+                ids, pos = self._ids[: b * q], self._pos[: b * q]
+                for _ in range(2):  # warm up: Triton JIT and allocator, outside the graph
+                    self.model.compute_logits(self.model(ids, pos, step))
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.compute_logits(self.model(ids, pos, step))
+                self.graphs[(b, q)] = _Graph(graph, logits)
+                logger.info("Capturing CUDA graphs (decode): %d/%d (batch %d, query len %d)", i + 1, len(shapes), b, q)
+        torch.cuda.synchronize(dev)
+        logger.info("Captured %d CUDA graphs in %.1f s", len(shapes), time.perf_counter() - start)
+
+    def _fill_static_pattern(self, b: int, q: int) -> None:
+        self._qsl[: b + 1].copy_(torch.arange(0, (b + 1) * q, q, dtype=torch.int32))
+
+    def _static_step(self, b: int, q: int) -> StepMetadata:
+        return StepMetadata(
+            request_ids=("<graph>",) * b,
+            query_start_loc=self._qsl[: b + 1],
+            seq_lens=self._seq[:b],
+            block_tables=tuple(t[:b] for t in self._tables),
+            slot_mappings=tuple(s[: b * q] for s in self._slots),
+            logits_indices=self._all_rows[: b * q],
+            query_start_loc_cpu=tuple(range(0, (b + 1) * q, q)),
+            seq_lens_cpu=(q,) * b,  # not read by capturable backends; values vary per replay
+            block_size=self.block_size,
+            max_query_len=q,
+        )
+
+    def _replay(self, batch: list[ScheduledRequest], key: tuple[int, int]) -> torch.Tensor:
+        bucket, q = key
+        n = len(batch)
+        input_ids, positions, _, seq_lens, _, slots, tables = self._host_inputs(batch)
+        sink_slot = self.sink_block * self.block_size
+        pad_tokens = (bucket - n) * q
+        self._ids[: bucket * q].copy_(torch.tensor(input_ids + [0] * pad_tokens), non_blocking=True)
+        self._pos[: bucket * q].copy_(torch.tensor(positions + [0] * pad_tokens), non_blocking=True)
+        self._seq[:bucket].copy_(torch.tensor(seq_lens + [q] * (bucket - n), dtype=torch.int32), non_blocking=True)
+        self._fill_static_pattern(bucket, q)
+        for g in range(len(tables)):
+            # Only the first ceil(seq_len / block_size) entries of a row are read: copy that much.
+            width = max(len(t) for t in tables[g])
+            rows = [t + [self.sink_block] * (width - len(t)) for t in tables[g]]
+            self._tables[g][:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+            self._tables[g][n:bucket, 0].fill_(self.sink_block)
+            self._slots[g][: bucket * q].copy_(torch.tensor(slots[g] + [sink_slot] * pad_tokens), non_blocking=True)
+        entry = self.graphs[key]
+        entry.graph.replay()
+        # Each request samples from its last query token.
+        last_rows = torch.arange(1, n + 1, device=self.device) * q - 1
+        return entry.logits[last_rows]

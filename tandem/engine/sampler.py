@@ -87,29 +87,42 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits [S, V] float32, one row per request -> one token per request."""
+        """logits [S, V] float32, one row per request -> one token per request.
+
+        Plain greedy rows are decided by one batched argmax; other rows are processed one by one
+        on the device; the chosen tokens come back to the host in a single copy.
+        """
         logits = logits.float()
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
-        want_logprobs = any(r.params.logprobs is not None for r in requests)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)  # [S]
+        plain = [i for i, r in enumerate(requests)
+                 if r.params.greedy and not r.params.needs_penalties and r.num_output_tokens >= r.params.min_tokens]
+        plain_set = set(plain)
+        if plain:
+            rows = torch.tensor(plain, device=logits.device)
+            tokens[rows] = torch.argmax(logits[rows], dim=-1)
         for i, req in enumerate(requests):
-            params = req.params
-            row = logits[i].clone()
-            if req.num_output_tokens < params.min_tokens:
-                banned = [t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < row.shape[0]]
-                if banned:
-                    row[banned] = float("-inf")
-            if params.needs_penalties:
-                row = apply_penalties(row, req, params)
-            if params.greedy:
-                token = int(torch.argmax(row))
-            else:
-                probs = torch.softmax(filter_logits(row, params), dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=self._generator(req)))
-            token_ids.append(token)
-            if params.logprobs is not None and raw_logprobs is not None:
-                logprobs.append(top_logprobs(raw_logprobs[i], token, params.logprobs))
-            else:
-                logprobs.append(None)
+            if i in plain_set:
+                continue
+            tokens[i] = self._sample_row(logits[i].clone(), req)
+        token_ids = tokens.tolist()  # the step's one host sync
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # from the raw model logits, as vLLM
+            for i, req in enumerate(requests):
+                if req.params.logprobs is not None:
+                    logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], req.params.logprobs)
         return SamplerOutput(token_ids, logprobs)
+
+    def _sample_row(self, row: torch.Tensor, req: Request) -> torch.Tensor:
+        """row [V] float32 (a copy) -> chosen token, a 0-d tensor on the device."""
+        params = req.params
+        if req.num_output_tokens < params.min_tokens:
+            banned = [t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < row.shape[0]]
+            if banned:
+                row[banned] = float("-inf")
+        if params.needs_penalties:
+            row = apply_penalties(row, req, params)
+        if params.greedy:
+            return torch.argmax(row)
+        probs = torch.softmax(filter_logits(row, params), dim=-1)
+        return torch.multinomial(probs, 1, generator=self._generator(req))[0]

@@ -43,6 +43,8 @@ def register_moe_executor(name: str) -> Callable[[ExecutorFactory], ExecutorFact
 
 def make_moe_executor(name: str, experts: nn.ModuleList) -> MoEExecutor:
     if name not in _EXECUTORS:
+        import tandem.kernels.moe_grouped  # noqa: F401  (registers "grouped" on first use)
+    if name not in _EXECUTORS:
         raise ValueError(f"unknown MoE executor {name!r}; known: {sorted(_EXECUTORS)}")
     return _EXECUTORS[name](experts)
 

@@ -1,0 +1,79 @@
+"""Where batch-1 decode time goes on the GPU: the whole engine step against the captured graph's
+replay alone (GPU time), on the Qwen3-30B-A3B shape of bench_gpu.py.
+
+    python benchmarks/profile_decode.py [--layers 48] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import QWEN3_30B_A3B, build_engine  # noqa: E402
+
+from tandem.builtin import TOKENIZER_ASSET  # noqa: E402
+from tandem.core import SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    model_dir = Path(tempfile.mkdtemp(prefix="tandem-prof-"))
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(TOKENIZER_ASSET, model_dir / "tokenizer.json")
+    engine = build_engine(cfg, model_dir, 1, 2048, 4.0, enforce_eager=False)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request("warm", list(range(100, 612)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    engine.add_request("p", list(range(1000, 1512)), params)
+    engine.step()  # prefill
+    step_times = []
+    while engine.has_unfinished:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t)
+    step_ms = 1e3 * sorted(step_times)[len(step_times) // 2]
+    graph = engine.runner.graphs[(1, 1)].graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay_ms = start.elapsed_time(end) / 50
+    # The same graph's kernels, by kind, from the torch profiler (one replay).
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+    result = {"median_step_ms": step_ms, "graph_replay_gpu_ms": replay_ms, "host_overhead_ms": step_ms - replay_ms,
+              "tok_s": 1e3 / step_ms, "tok_s_if_no_host_overhead": 1e3 / replay_ms}
+    print(json.dumps(result, indent=2))
+    print(table)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n" + table)
+    shutil.rmtree(model_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
