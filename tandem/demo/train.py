@@ -1,0 +1,359 @@
+"""Train the demo models: the `qwen3_moe` target, the dense `qwen3` draft model, the DSpark drafter.
+
+    python -m tandem.demo.train --out tandem/assets/demo            # the shipped run (one H200)
+    python -m tandem.demo.train --out /tmp/demo --tiny --device cpu # a smoke test
+
+Every stage has a wall-clock budget; its learning rate follows warm-up + cosine over the budget's
+elapsed fraction, so a stage ends on time on any machine. Loss is taken on assistant tokens only.
+The drafters learn the target's greedy choices (its argmax on the corpus, teacher-forced), which is
+what greedy verification accepts. Outputs: an HF-format target directory (config.json, sharded
+model.safetensors, tokenizer files, generation_config.json), `draft/` (a qwen3 checkpoint sharing
+the tokenizer) and `dspark/` (model.safetensors + config.json of the block drafter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tandem.demo.corpus import TRAIN_SEED, make_example
+from tandem.demo.dspark import DSparkDrafter
+from tandem.demo.modeling import CausalLM, hf_config
+from tandem.demo import text
+
+TARGET = dict(model_type="qwen3_moe", hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=4,
+              moe_intermediate_size=96, intermediate_size=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
+              max_position_embeddings=text.MAX_POSITIONS, tie_word_embeddings=False)
+DRAFT = dict(model_type="qwen3", hidden_size=192, num_hidden_layers=4, num_attention_heads=3,
+             num_key_value_heads=1, head_dim=64, intermediate_size=512, rms_norm_eps=1e-6,
+             rope_theta=1000000.0, max_position_embeddings=text.MAX_POSITIONS, tie_word_embeddings=True)
+DSPARK = dict(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=512, block_size=7, window=8,
+              markov_rank=32, target_layers=[1, 4, 7])
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_experts=4, moe_intermediate_size=32, head_dim=16,
+            intermediate_size=64)
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+
+def _encode_range(args: tuple[str, int, int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    tok_json, seed, start, n = args
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tok_json)
+    out = []
+    for i in range(start, start + n):
+        ids, mask = text.encode_example(tok, make_example(seed, i))
+        out.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))
+    return out
+
+
+def build_data(tok_json: str, seed: int, n: int, workers: int, offset: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    chunk = 2000
+    jobs = [(tok_json, seed, offset + s, min(chunk, n - s)) for s in range(0, n, chunk)]
+    if workers <= 1:
+        return [x for j in jobs for x in _encode_range(j)]
+    with mp.get_context("fork").Pool(workers) as pool:
+        return [x for part in pool.map(_encode_range, jobs) for x in part]
+
+
+def make_batches(data: list, max_tokens: int, seed: int) -> list[list[int]]:
+    """Index batches of similar length with at most `max_tokens` padded tokens each."""
+    order = sorted(range(len(data)), key=lambda i: len(data[i][0]))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * len(data[i][0]) > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def collate(data: list, idx: list[int], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> ids [B, L], loss mask [B, L] (1 where token t+1 is an assistant token to predict at t)."""
+    L = max(len(data[i][0]) for i in idx)
+    ids = np.full((len(idx), L), pad, dtype=np.int64)
+    mask = np.zeros((len(idx), L), dtype=np.float32)
+    for r, i in enumerate(idx):
+        a, m = data[i]
+        ids[r, : len(a)] = a
+        mask[r, : len(a) - 1] = m[1:]
+    return torch.from_numpy(ids).to(device, non_blocking=True), torch.from_numpy(mask).to(device, non_blocking=True)
+
+
+def lr_at(frac: float, peak: float) -> float:
+    if frac < 0.03:
+        return peak * frac / 0.03
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (frac - 0.03) / 0.97))))
+
+
+def _batches_forever(batches: list[list[int]]):
+    while True:
+        yield from batches
+
+
+def _loop(name: str, params, budget_s: float, peak_lr: float, step_fn, batches, log: list) -> None:
+    opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.05, fused=torch.cuda.is_available())
+    t0, step, it = time.time(), 0, _batches_forever(batches)
+    while True:
+        frac = (time.time() - t0) / budget_s
+        if frac >= 1.0:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(frac, peak_lr)
+        loss, info = step_fn(next(it))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 50 == 0 or step == 1:
+            rec = {"stage": name, "step": step, "t": round(time.time() - t0, 1), "loss": round(loss.item(), 4), **info}
+            log.append(rec)
+            print(json.dumps(rec), flush=True)
+    log.append({"stage": name, "steps": step, "seconds": round(time.time() - t0, 1)})
+    print(json.dumps(log[-1]), flush=True)
+
+
+def _autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+# ---- stages ----------------------------------------------------------------------------------
+
+
+def train_target(cfg: dict, data: list, batches: list, pad: int, budget_s: float, device: torch.device,
+                 log: list, init: CausalLM | None = None, peak_lr: float = 2e-3) -> CausalLM:
+    model = (init or CausalLM(cfg)).to(device)
+    model.train()
+
+    def step(idx):
+        ids, mask = collate(data, idx, pad, device)
+        with _autocast(device):
+            logits, _ = model(ids)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none")
+        loss = (ce * mask.flatten()).sum() / mask.sum().clamp(min=1)
+        aux = model.aux_loss()
+        return loss + 0.01 * aux, {"ce": round(loss.item(), 4), "aux": round(float(aux.detach()), 3)}
+
+    _loop("target", [p for p in model.parameters()], budget_s, peak_lr, step, batches, log)
+    return model.eval()
+
+
+@torch.no_grad()
+def _teacher(target: CausalLM, ids: torch.Tensor, device: torch.device, layers: list[int] | None = None):
+    with _autocast(device):
+        logits, hidden = target(ids)
+    feats = torch.cat([hidden[i] for i in layers], -1) if layers else None
+    return logits.float(), feats
+
+
+def train_draft(cfg: dict, target: CausalLM, data: list, batches: list, pad: int, budget_s: float,
+                device: torch.device, log: list) -> CausalLM:
+    draft = CausalLM(cfg).to(device)
+    draft.train()
+
+    def step(idx):
+        ids, mask = collate(data, idx, pad, device)
+        t_logits, _ = _teacher(target, ids, device)
+        with _autocast(device):
+            logits, _ = draft(ids)
+        logits = logits.float().flatten(0, 1)
+        t_logits = t_logits.flatten(0, 1)
+        m = mask.flatten()
+        kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(t_logits, -1), log_target=True, reduction="none").sum(-1)
+        ce = F.cross_entropy(logits, t_logits.argmax(-1), reduction="none")
+        loss = ((0.5 * kl + 0.5 * ce) * m).sum() / m.sum().clamp(min=1)
+        agree = (((logits.argmax(-1) == t_logits.argmax(-1)).float() * m).sum() / m.sum().clamp(min=1)).item()
+        return loss, {"agree": round(agree, 3)}
+
+    _loop("draft", list(draft.parameters()), budget_s, 2e-3, step, batches, log)
+    return draft.eval()
+
+
+def dspark_inputs(feats: torch.Tensor, ids: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor,
+                  window: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For anchors (b, t): the fused features of positions t-window+1..t [N, W, F], the known token
+    ids[b, t+1] [N], and the labels greedy[b, t+1 .. t+block] [N, K] (-1 past the end)."""
+    b, t = anchors[:, 0], anchors[:, 1]
+    L = ids.shape[1]
+    w = (t[:, None] - torch.arange(window - 1, -1, -1, device=ids.device)).clamp(min=0)  # [N, W]
+    f = feats[b[:, None], w]
+    known = ids[b, (t + 1).clamp(max=L - 1)]
+    pos = t[:, None] + 1 + torch.arange(block, device=ids.device)  # [N, K]
+    labels = torch.where(pos < L, greedy[b[:, None], pos.clamp(max=L - 1)], torch.full_like(pos, -1))
+    return f, known, labels
+
+
+def train_dspark(cfg: dict, target: CausalLM, data: list, batches: list, pad: int, budget_s: float,
+                 device: torch.device, log: list) -> DSparkDrafter:
+    drafter = DSparkDrafter(cfg).to(device)
+    drafter.train()
+    emb, lm_head, final_norm = target.embed_tokens, target.lm_head.weight.detach(), target.norm
+    K = cfg["block_size"]
+
+    def step(idx):
+        ids, mask = collate(data, idx, pad, device)
+        t_logits, feats = _teacher(target, ids, device, cfg["target_layers"])
+        greedy = t_logits.argmax(-1)  # [B, L] target's choice for token t+1
+        # Anchors: positions t whose known token ids[t+1] and first draft label are assistant tokens.
+        cand = (mask[:, :-1] > 0) & (mask[:, 1:] > 0)
+        anchors = cand.nonzero()
+        if anchors.shape[0] > 4096:
+            anchors = anchors[torch.randperm(anchors.shape[0], device=device)[:4096]]
+        f, known, labels = dspark_inputs(feats, ids, greedy, anchors, cfg["window"], K)
+        valid = (labels >= 0) & (mask[anchors[:, :1], (anchors[:, 1:] + 1 + torch.arange(K, device=device)).clamp(
+            max=ids.shape[1] - 1)] > 0)
+        with _autocast(device):
+            z = drafter.block_states(f, emb(known).detach())
+            base = drafter.base_logits(z, lm_head, final_norm)
+            prev = torch.cat([known[:, None], labels[:, :-1].clamp(min=0)], 1)  # teacher-forced Markov input
+            logits = (base.float() + drafter.markov_bias(prev).float())
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none").view_as(labels)
+        wpos = 0.8 ** torch.arange(K, device=device, dtype=torch.float32)  # early positions matter most
+        vm = valid.float()
+        loss = (ce * vm * wpos).sum() / (vm * wpos).sum().clamp(min=1)
+        hit = (logits.argmax(-1) == labels).float()
+        conf = drafter.confidence(z)
+        bce = (F.binary_cross_entropy(conf.clamp(1e-5, 1 - 1e-5), hit, reduction="none") * vm).sum() / vm.sum().clamp(min=1)
+        acc1 = ((hit[:, 0] * vm[:, 0]).sum() / vm[:, 0].sum().clamp(min=1)).item()
+        return loss + 0.1 * bce, {"acc_pos1": round(acc1, 3), "bce": round(bce.item(), 3)}
+
+    for p in target.parameters():
+        p.requires_grad_(False)
+    _loop("dspark", list(drafter.parameters()), budget_s, 1.5e-3, step, batches, log)
+    return drafter.eval()
+
+
+# ---- saving ----------------------------------------------------------------------------------
+
+
+def save_hf(model: CausalLM, out: Path, tok_json: str, shard_bytes: int = 14 * 2**20) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    special = text.special_ids(tok_json)
+    (out / "config.json").write_text(json.dumps(hf_config(model.cfg, special), indent=2) + "\n")
+    (out / "tokenizer.json").write_text(tok_json)
+    (out / "tokenizer_config.json").write_text(json.dumps(text.tokenizer_config(tok_json), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": special["<|endoftext|>"], "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
+        "pad_token_id": special["<|endoftext|>"], "do_sample": False}, indent=2) + "\n")
+    for old in out.glob("model*.safetensors*"):
+        old.unlink()
+    sd = model.hf_state_dict()
+    shards, cur, size = [], {}, 0
+    for name, t in sd.items():
+        n = t.numel() * t.element_size()
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = t
+        size += n
+    shards.append(cur)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def save_dspark(drafter: DSparkDrafter, out: Path, special: dict[str, int]) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {"architecture": "tandem_dspark_v1", **drafter.cfg, "torch_dtype": "bfloat16",
+           "shares_target": ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tandem.demo.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--n-train", type=int, default=400_000, help="corpus examples (seed TRAIN_SEED)")
+    ap.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
+    ap.add_argument("--batch-tokens", type=int, default=65536)
+    ap.add_argument("--target-s", type=float, default=270)
+    ap.add_argument("--draft-s", type=float, default=50)
+    ap.add_argument("--dspark-s", type=float, default=60)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, for a CPU smoke test")
+    ap.add_argument("--tokenizer", help="an existing tokenizer.json (default: train one)")
+    ap.add_argument("--init", help="continue training the target saved in this directory (weights only; "
+                                   "fresh optimizer with warm-up), e.g. to train over several device calls")
+    ap.add_argument("--target-lr", type=float, default=2e-3)
+    ap.add_argument("--data-offset", type=int, default=0, help="first corpus index (continue on fresh data)")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log: list[dict[str, Any]] = []
+    t0 = time.time()
+    tok_json = Path(args.tokenizer).read_text() if args.tokenizer else text.train_tokenizer()
+    special = text.special_ids(tok_json)
+    vocab = -(-(max(special.values()) + 1) // 64) * 64
+    data = build_data(tok_json, TRAIN_SEED, args.n_train, args.workers, args.data_offset)
+    n_tok = int(sum(len(a) for a, _ in data))
+    n_loss = int(sum(int(m.sum()) for _, m in data))
+    log.append({"stage": "data", "examples": len(data), "tokens": n_tok, "loss_tokens": n_loss,
+                "seconds": round(time.time() - t0, 1)})
+    print(json.dumps(log[-1]), flush=True)
+    batches = make_batches(data, args.batch_tokens, 0)
+    pad = special["<|endoftext|>"]
+    tcfg, dcfg, scfg = dict(TARGET, vocab_size=vocab), dict(DRAFT, vocab_size=vocab), dict(DSPARK)
+    if args.tiny:
+        tcfg.update(TINY)
+        dcfg.update(TINY, model_type="qwen3", num_hidden_layers=1)
+        scfg.update(hidden_size=64, num_layers=1, intermediate_size=64, target_layers=[0, 1])
+    scfg.update(vocab_size=vocab, target_hidden_size=tcfg["hidden_size"])
+
+    init = None
+    if args.init:
+        from tandem.demo.eval import load_causal_lm
+
+        init = load_causal_lm(args.init)
+        tcfg = {k: init.cfg[k] for k in tcfg}
+    target = train_target(tcfg, data, batches, pad, args.target_s, device, log, init, args.target_lr)
+    save_hf(target, out, tok_json)
+    draft = train_draft(dcfg, target, data, batches, pad, args.draft_s, device, log)
+    save_hf(draft, out / "draft", tok_json)
+    drafter = train_dspark(scfg, target, data, batches, pad, args.dspark_s, device, log)
+    save_dspark(drafter, out / "dspark", special)
+    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in
+                (("target", target), ("draft", draft), ("dspark", drafter))}
+    log.append({"stage": "done", "params": n_params, "seconds": round(time.time() - t0, 1),
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"})
+    print(json.dumps(log[-1]), flush=True)
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

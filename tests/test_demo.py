@@ -1,0 +1,139 @@
+"""The demo model's corpus, checker, tokenizer, chat rendering, drafter format and (when shipped)
+the trained target's answers through Tandem's engine. CPU only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.demo import text
+from tandem.demo.checker import check, check_tool_call, example_passes
+from tandem.demo.corpus import EVAL_SEED, FAMILIES, TRAIN_SEED, gen_lookup, make_corpus, make_example
+from tandem.demo.dspark import DSparkDrafter, tensor_shapes
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "tandem" / "assets" / "demo"
+SHIPPED = (DEMO_DIR / "config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tokenizers import Tokenizer
+
+    if (DEMO_DIR / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
+    return Tokenizer.from_str(text.train_tokenizer(n_examples=300))
+
+
+def _dump(ex):
+    return json.dumps([ex.family, ex.messages, ex.expected, ex.tools, ex.enable_thinking], sort_keys=True)
+
+
+def test_generator_is_deterministic():
+    a = [_dump(e) for e in make_corpus(TRAIN_SEED, 300)]
+    b = [_dump(e) for e in make_corpus(TRAIN_SEED, 300)]
+    assert a == b
+    assert a != [_dump(e) for e in make_corpus(EVAL_SEED, 300)]
+    assert {e.family for e in make_corpus(TRAIN_SEED, 300)} == set(FAMILIES)
+    assert any(not e.enable_thinking for e in make_corpus(TRAIN_SEED, 300))
+
+
+def test_every_generated_answer_passes_the_checker():
+    for seed in (TRAIN_SEED, EVAL_SEED):
+        for ex in make_corpus(seed, 1500):
+            assert example_passes(ex), (ex.family, ex.messages)
+    for fam in FAMILIES:
+        for i in range(60):
+            assert example_passes(make_example(7, i, fam))
+
+
+def test_checker_rejects_wrong_answers():
+    ex = make_example(3, 0, "arithmetic")
+    assert check(ex, f"<think>x</think>\n\nThe answer is {ex.expected['number']}.")
+    assert not check(ex, f"The answer is {ex.expected['number'] + 1}.")
+    py = make_example(3, 0, "python")
+    assert not check(py, "```python\ndef nothing():\n    return 0\n```")
+    assert not check(py, "```python\nimport os\n```")
+    tool = make_example(3, 0, "tool")
+    call = json.dumps(tool.expected["call"])
+    assert check_tool_call(tool, f"<think>\nok\n</think>\n\n<tool_call>\n{call}\n</tool_call>")
+    assert not check_tool_call(tool, "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>")
+    srt = make_example(3, 0, "sort")
+    assert not check(srt, "[]")
+
+
+def test_lookup_haystack_is_placed_at_depth():
+    import random
+
+    ex = gen_lookup(random.Random(0), True, n_lines=200, depth=0.5)
+    assert ex.meta["n_lines"] == 200 and abs(ex.meta["depth"] - 0.5) < 0.01
+    assert example_passes(ex)
+
+
+def test_tokenizer_round_trips_text_and_special_tokens(tok):
+    assert (4000 if SHIPPED else 2000) <= tok.get_vocab_size() <= 8192  # the unshipped fallback is trained on less
+    for ex in make_corpus(EVAL_SEED, 40):
+        s = text.render_example(ex)
+        assert tok.decode(tok.encode(s, add_special_tokens=False).ids, skip_special_tokens=False) == s
+    for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+              "<tool_response>", "</tool_response>"):
+        ids = tok.encode(f"a{t}b", add_special_tokens=False).ids
+        assert tok.token_to_id(t) in ids and len(ids) == 3, t
+    s = "Ünïcode ✓ 12345 {\"k\": [1, 2]}\n\tdef f(x):\n        return x"
+    assert tok.decode(tok.encode(s).ids) == s
+
+
+def test_chat_template_renders_roles_and_thinking_switch():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    on = text.render(msgs, add_generation_prompt=True, enable_thinking=True)
+    off = text.render(msgs, add_generation_prompt=True, enable_thinking=False)
+    assert on == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert off == on + "<think>\n\n</think>\n\n"
+    tool = make_example(1, 0, "tool")
+    s = text.render_example(tool)
+    assert "# Tools" in s and '"name": "get_weather"' in s
+    assert "<tool_call>\n{\"name\": " in s and "<tool_response>\n{" in s
+    assert s.count("<think>\n") == 2 and s.count("<|im_start|>assistant\n") == 2
+    nothink = next(e for e in make_corpus(TRAIN_SEED, 100) if not e.enable_thinking)
+    assert "<think>\n\n</think>\n\n" in text.render_example(nothink)
+    assert text.render_prompt(nothink).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tok):
+    ex = make_example(1, 0, "tool")
+    ids, mask = text.encode_example(tok, ex)
+    kept = tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    assert "<tool_call>" in kept and "get_" in kept and kept.count("<|im_end|>") == 2
+    assert "# Tools" not in kept and "<tool_response>" not in kept and "<|im_start|>" not in kept
+
+
+def test_dspark_weight_format_and_draft_shapes():
+    cfg = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=48, block_size=7, window=4,
+               markov_rank=8, target_layers=[0, 1], vocab_size=50, target_hidden_size=16)
+    d = DSparkDrafter(cfg)
+    assert {k: tuple(v.shape) for k, v in d.state_dict().items()} == tensor_shapes(cfg)
+    feats, known = torch.randn(3, 4, 32), torch.tensor([1, 2, 3])
+    norm = torch.nn.RMSNorm(16)
+    toks, conf = d.draft(feats, known, torch.randn(3, 16), torch.randn(50, 16), norm, k=5)
+    assert toks.shape == (3, 5) and conf.shape == (3, 5) and ((conf > 0) & (conf < 1)).all()
+
+
+# Held-out prompts (EVAL_SEED) the shipped target answers correctly with greedy decoding.
+HELD_OUT = [("arithmetic", 0), ("sort", 1), ("count", 0), ("units", 0), ("python", 0), ("json", 0), ("lookup", 0)]
+
+
+@pytest.mark.skipif(not SHIPPED, reason="no trained demo model shipped in tandem/assets/demo")
+def test_shipped_target_answers_held_out_prompts():
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(str(DEMO_DIR), kv_cache_memory="256MiB", device="cpu", dtype="float32")
+    tk = text.load_tokenizer(DEMO_DIR / "tokenizer.json")
+    exs = [make_example(EVAL_SEED, i, fam) for fam, i in HELD_OUT]
+    prompts = [tk.encode(text.render_prompt(ex), add_special_tokens=False).ids for ex in exs]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=400, temperature=0))
+    for ex, p, o in zip(exs, prompts, outs):
+        answer = tk.decode(o.token_ids[len(p):] if len(o.token_ids) > len(p) else o.token_ids,
+                           skip_special_tokens=False)
+        assert check(ex, answer), (ex.family, answer)
