@@ -121,7 +121,10 @@ def test_sequence_outgrowing_the_whole_cache_is_rejected():
         if rejected:
             break
     assert rejected == [r]
-    assert not s.has_work or r.request_id not in s.requests
+    assert r.finish_reason == "error" and r.request_id not in s.requests
+    assert not s.has_work and s.kv.num_free_blocks == 3
+    s.finish(r, "abort")  # finishing again is a no-op
+    assert r.finish_reason == "error"
 
 
 def test_waiting_requests_wait_for_blocks_without_failing():

@@ -340,13 +340,12 @@ class LLMEngine:
         return best
 
     def _finish(self, req: Request, reason: str) -> None:
-        state = self.states.pop(req.request_id, None)
+        self.states.pop(req.request_id, None)
         self.scheduler.finish(req, reason)
         self.sampler.release(req.request_id)
         m = self.metrics
         m.label(m.e2e).observe(time.monotonic() - req.arrival_time)
         m.success.labels(model_name=self.model_name, finished_reason=reason).inc()
-        del state
 
     def _reject(self, req: Request) -> RequestOutput:
         message = (

@@ -38,7 +38,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Requests that can never fit in the KV cache; the engine finishes them with an error.
+    # Requests that can never fit in the KV cache, already finished here with reason "error".
     rejected: list[Request] = field(default_factory=list)
 
     @property
@@ -72,7 +72,9 @@ class Scheduler:
         self.requests[req.request_id] = req
 
     def finish(self, req: Request, reason: str) -> None:
-        """Remove a request (finished, aborted or rejected) and free its blocks."""
+        """Remove a request (finished or aborted) and free its blocks. Idempotent."""
+        if req.status == RequestStatus.FINISHED:
+            return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -117,8 +119,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hit):
                 if not self.running:
                     # An empty cache cannot hold it: it would wait forever. Reject instead.
-                    self.waiting.popleft()
-                    out.rejected.append(req)
+                    self._reject(req, out)
                     continue
                 break
             self.waiting.popleft()
@@ -145,10 +146,13 @@ class Scheduler:
             if victim is req:
                 if not self.running and not self.kv.can_fit(req.num_tokens + 1):
                     # Alone it cannot grow further: the cache is smaller than this sequence.
-                    self.waiting.remove(req)
-                    out.rejected.append(req)
+                    self._reject(req, out)
                 return False
         return True
+
+    def _reject(self, req: Request, out: SchedulerOutput) -> None:
+        self.finish(req, "error")
+        out.rejected.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
