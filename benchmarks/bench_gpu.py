@@ -171,6 +171,29 @@ def run_prefill(engine: LLMEngine, length: int, seed: int) -> dict:
     return {"length": length, "prefill_tok_s": length / best, "seconds": best}
 
 
+def bracket_fused(engine: LLMEngine, batches: list[int], prompt: int, new_tokens: int) -> list[dict]:
+    """Decode with the fused small kernels on -> off -> on (same weights, graphs recaptured)."""
+    from tandem.kernels.fused import set_fused_ops
+
+    rows = []
+    for phase, enabled in enumerate((True, False, True)):
+        set_fused_ops(enabled)
+        engine.runner.graphs.clear()
+        engine.runner.capture(engine.config.scheduler.max_num_seqs, (1,), engine.max_model_len)
+        for b in batches:
+            run_decode(engine, b, prompt, 8, seed=500 + phase)  # warm-up
+            r = run_decode(engine, b, prompt, new_tokens, seed=600 + phase)
+            rows.append({"fused": enabled, "phase": phase, **r})
+            print(f"fused={'on ' if enabled else 'off'} batch {b}: {r['decode_tok_s']:.1f} tok/s", flush=True)
+    set_fused_ops(True)
+    return rows
+
+
+def save(results: dict, out: str | None) -> None:
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=48)
@@ -182,6 +205,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-gib", type=float, default=16.0)
+    ap.add_argument("--compare-fused", action="store_true",
+                    help="also bracket the fused small kernels: on -> off -> on, graphs recaptured each time")
+    ap.add_argument("--bracket-new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None, help="write all results as JSON here")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -220,11 +246,14 @@ def main() -> None:
         r = run_prefill(engine, n, seed=1000 + i)
         results["prefill"].append(r)
         print(f"tandem prefill {n}: {r['prefill_tok_s']:.0f} tok/s", flush=True)
+    save(results, args.out)
+    if args.compare_fused:
+        results["fused_bracket"] = bracket_fused(engine, [b for b in batches if b in (1, max(batches))],
+                                                 args.prompt, args.bracket_new_tokens)
     b1 = results["decode"][0]
     if b1["batch"] == 1:
         print(f"batch-1 decode = {b1['pct_of_roofline']:.1f}% of roofline", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    save(results, args.out)
     shutil.rmtree(model_dir, ignore_errors=True)
 
 

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (every step runs eagerly; for debugging)")
+    s.add_argument("--no-fused-ops", dest="fused_ops", action="store_false",
+                   help="use the torch reference for RMSNorm, rotary, SiLU*up and routing instead of fused Triton kernels")
     s.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
                    help="auto: Triton paged attention on CUDA, the torch reference elsewhere")
     s.add_argument("--moe-backend", default="auto", choices=("auto", "torch", "grouped"),
@@ -143,7 +145,7 @@ def build_configs(args: argparse.Namespace, model_dir: str) -> tuple[EngineConfi
         default_chat_template_kwargs=_json_object(args.default_chat_template_kwargs, "--default-chat-template-kwargs"),
         shutdown_timeout=args.shutdown_timeout,
     )
-    runner = RunnerConfig(args.attention_backend, args.moe_backend, args.enforce_eager)
+    runner = RunnerConfig(args.attention_backend, args.moe_backend, args.enforce_eager, args.fused_ops)
     return EngineConfig(model=model, cache=cache, scheduler=scheduler, runner=runner), server
 
 

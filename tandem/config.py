@@ -77,12 +77,13 @@ class RunnerConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     moe_executor: str = "auto"  # auto | torch | grouped
     enforce_eager: bool = False  # never capture CUDA graphs
+    fused_ops: bool = True  # Triton RMSNorm / rotary / SiLU*up / router kernels (they only ever run on CUDA)
 
     def resolve(self, device: str, dtype: torch.dtype) -> RunnerConfig:
         fast = device == "cuda" and dtype in (torch.bfloat16, torch.float16)
         attn = self.attention_backend if self.attention_backend != "auto" else ("triton" if device == "cuda" else "torch")
         moe = self.moe_executor if self.moe_executor != "auto" else ("grouped" if fast else "torch")
-        return RunnerConfig(attn, moe, self.enforce_eager or device != "cuda")
+        return RunnerConfig(attn, moe, self.enforce_eager or device != "cuda", self.fused_ops)
 
 
 @dataclass(frozen=True)

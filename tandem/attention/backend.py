@@ -46,7 +46,8 @@ def get_attention_backend(name: str = "torch") -> AttentionBackend:
     from tandem.attention import torch_ref  # noqa: F401
 
     try:
-        from tandem.attention import triton_paged  # noqa: F401
+        if name == "triton":  # imported on demand: CPU-only installs need no Triton
+            from tandem.attention import triton_paged  # noqa: F401
     except ImportError as e:  # asking for "triton" must then fail loudly, never fall back to torch
         _UNAVAILABLE.setdefault("triton", f"attention backend 'triton' needs Triton, which failed to import ({e}); "
                                           "install triton or pass --attention-backend torch")

@@ -88,13 +88,17 @@ class LLMEngine:
     def _install_kernels(self) -> None:
         """Put the configured attention backend and MoE executor into the model's layers."""
         rc = self.runner_config
+        from tandem.kernels.fused import set_fused_ops
+
+        set_fused_ops(rc.fused_ops)  # process-wide; read when kernels run (and frozen into graphs)
         for layer in self.model.attention_layers():
             layer.set_backend(get_attention_backend(rc.attention_backend))
         if rc.moe_executor != "torch" and hasattr(self.model, "moe_blocks"):
             from tandem.kernels.moe_grouped import install_moe_executor
 
             install_moe_executor(self.model, rc.moe_executor)
-        logger.info("Kernels: attention %s, MoE %s", rc.attention_backend, rc.moe_executor)
+        logger.info("Kernels: attention %s, MoE %s, fused small ops %s", rc.attention_backend, rc.moe_executor,
+                    "on" if rc.fused_ops else "off")
 
     def _capture_graphs(self) -> None:
         rc = self.runner_config

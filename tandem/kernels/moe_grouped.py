@@ -15,6 +15,11 @@ and `w2 [E, H, I]`, and re-points every expert Linear's `weight` at a view of th
 names, shapes and `state_dict` keys are unchanged and the model holds each weight once; the only
 transient is one layer's experts while that layer is restacked (install layer by layer).
 
+Small batches (T * k <= moe_small.SMALL_MAX_PAIRS: decode and short verify steps) on CUDA go to the
+Triton GEMV kernels of `moe_small` instead, which read the same stacks (switch: the fused-ops
+setting, `tandem.kernels.fused.set_fused_ops`). The choice is made on the host from the static
+shape, so each captured graph holds one path.
+
 `torch._grouped_mm` wants 16-byte-aligned strides; on CUDA it is the fast path only in bf16 on
 sm90+ (H100/H200). Anything else is refused with an error naming the dtype and device: the
 "torch" reference executor is the slow path, chosen by the caller, never silently here.
@@ -121,9 +126,13 @@ def pack_expert_weights(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Ten
 
 @register_moe_executor("grouped")
 class GroupedMoEExecutor:
-    """Sort-by-expert + two `torch._grouped_mm` calls; sync-free and CUDA-graph capturable."""
+    """Sort-by-expert + two `torch._grouped_mm` calls; sync-free and CUDA-graph capturable.
 
-    def __init__(self, experts: nn.ModuleList) -> None:
+    `small_batch`: send steps with T * k <= SMALL_MAX_PAIRS to `moe_small.fused_moe_small`
+    (default: on CUDA, while the fused ops are on; True on CPU runs it under TRITON_INTERPRET=1).
+    """
+
+    def __init__(self, experts: nn.ModuleList, small_batch: bool | None = None) -> None:
         w = experts[0].gate_proj.weight
         inter, hidden = w.shape
         for mlp in experts:
@@ -136,6 +145,13 @@ class GroupedMoEExecutor:
         self.num_experts, self.inter = len(experts), inter
         # For each expert e, a probe for searchsorted: offs[e] = number of sorted ids <= e.
         self.expert_range = torch.arange(self.num_experts, device=w.device)  # [E] int64
+        self.small = None  # the moe_small module when the small-batch path may run (imports Triton)
+        if small_batch is None:
+            small_batch = w.device.type == "cuda"
+        if small_batch:
+            from tandem.kernels import moe_small
+
+            self.small = moe_small
 
     def _check_weights(self) -> None:
         # Host-side pointer compare, no device sync: catches weights replaced after packing
@@ -151,6 +167,9 @@ class GroupedMoEExecutor:
         num_tokens, k = topk_ids.shape
         if num_tokens == 0:
             return torch.zeros_like(hidden)
+        small = self.small
+        if small is not None and num_tokens * k <= small.SMALL_MAX_PAIRS and small.fused_ops_enabled():
+            return small.fused_moe_small(hidden, topk_ids, topk_weights, self.w13, self.w2)
         flat_ids = topk_ids.reshape(-1)  # [T*k]
         sorted_ids, order = torch.sort(flat_ids, stable=True)  # [T*k]; order: pair index, grouped by expert
         offs = torch.searchsorted(sorted_ids, self.expert_range, right=True, out_int32=True)  # [E] int32 group ends

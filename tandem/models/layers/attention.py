@@ -9,6 +9,7 @@ from torch import nn
 from tandem.attention import get_attention_backend
 from tandem.attention.backend import AttentionBackend
 from tandem.engine.metadata import StepMetadata
+from tandem.kernels import fused
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import apply_rotary
 
@@ -54,6 +55,17 @@ class Attention(nn.Module):
     def set_backend(self, backend: AttentionBackend) -> None:
         self.backend = backend
 
+    def _norm_rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k RMSNorm (Qwen3), then rotary. On CUDA one fused launch for all of it."""
+        if self.q_norm is None:
+            return apply_rotary(q, k, cos, sin)
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        if self.q_norm.eps == self.k_norm.eps and fused.use_fused(q, k, cos, sin, qw, kw):
+            return fused.qk_norm_rope(q, k, qw, kw, cos, sin, self.q_norm.eps)
+        return apply_rotary(self.q_norm(q), self.k_norm(k), cos, sin)
+
     def forward(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepMetadata
     ) -> torch.Tensor:
@@ -64,8 +76,6 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = self._norm_rope(q, k, cos, sin)
         out = self.backend.forward(q, k, v, self.kv_cache, step, self.cache_group, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels.fused import use_fused
 from tandem.models.layers.mlp import SwiGLUMLP
 
 
@@ -115,6 +116,10 @@ class SparseMoeBlock(nn.Module):
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in hidden's dtype)."""
         logits = self.gate(hidden)  # [T, E]
+        if use_fused(logits):  # CUDA with the fused ops on: softmax + top-k + renormalise, one launch
+            from tandem.kernels.moe_small import route_topk
+
+            return route_topk(logits, self.top_k, self.norm_topk_prob, out_dtype=hidden.dtype)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:

@@ -1,0 +1,356 @@
+"""The small-batch Triton MoE kernels (tandem/kernels/moe_small.py) against the torch references: the
+routed experts (`fused_moe_small`, and the "grouped" executor's dispatch to it) and the fused router
+(`route_topk` against `SparseMoeBlock.route`'s torch code).
+
+Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1) on tiny shapes. With
+CUDA (`-m gpu`): bf16 on the Qwen3-30B-A3B layer shape, CUDA-graph capture/replay, and a timing
+printout of the small path against the `_grouped_mm` path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before this module's imports decorate kernels
+
+from tandem.kernels.fused import fused_ops  # noqa: E402
+from tandem.kernels.moe_grouped import GroupedMoEExecutor  # noqa: E402
+from tandem.models.layers.mlp import SwiGLUMLP  # noqa: E402
+from tandem.models.layers.moe import SparseMoeBlock, make_moe_executor  # noqa: E402
+
+E, K, H, INTER = 8, 2, 64, 32
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _interpreted(fn: object) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+@contextmanager
+def _numpy24_scalar_index() -> Iterator[None]:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into loop bounds
+    with int(array), which numpy >= 2.4 refuses for non-0-d arrays; convert through the element."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_scalar_index(tensor, scope):  # noqa: ANN001
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_tensor_scalar_index
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor = patch_tensor
+
+
+@pytest.fixture(scope="module")
+def moe_small():
+    mod = importlib.import_module("tandem.kernels.moe_small")
+    if torch.cuda.is_available():
+        yield mod
+        return
+    # Triton decides interpreter-or-compiler when a function is decorated: triton.language's own
+    # @jit helpers (tl.zeros, tl.sum, ...) when Triton is first imported, our kernels when moe_small
+    # is. If an earlier test module imported either before TRITON_INTERPRET was set, re-execute the
+    # definitions; module objects stay the same, so every reference sees the new functions.
+    import triton.language as tl
+
+    if not _interpreted(tl.standard.zeros):
+        importlib.reload(tl.standard)
+        importlib.reload(tl)
+    if not _interpreted(mod._gate_up_kernel):
+        mod = importlib.reload(mod)
+    with _numpy24_scalar_index():
+        yield mod
+
+
+def make_experts(num=E, hidden=H, inter=INTER, dtype=torch.float32, device="cpu", seed=0, std=0.1) -> nn.ModuleList:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        experts = nn.ModuleList(SwiGLUMLP(hidden, inter) for _ in range(num))
+    experts.to(dtype).requires_grad_(False)
+    for p in experts.parameters():
+        p.normal_(0.0, std)
+    return experts
+
+
+def routing(mode: str, tokens: int, num=E, k=K, device="cpu", seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (topk_ids [T, k] int64, topk_weights [T, k] fp32) for a routing pattern."""
+    g = torch.Generator().manual_seed(seed)
+    if mode == "random":  # distinct experts per token, as the router gives
+        ids = torch.rand(tokens, num, generator=g).argsort(-1)[:, :k]
+    elif mode == "shared":  # distinct within a token, experts 2 and 5 in every token
+        rest = torch.tensor([e for e in range(num) if e not in (2, 5)])
+        ids = torch.cat([torch.tensor([[5, 2]]).expand(tokens, 2),
+                         rest[torch.rand(tokens, len(rest), generator=g).argsort(-1)[:, : k - 2]]], 1)
+    elif mode == "one_expert":  # every slot on expert 5 (the executor interface allows repeats)
+        ids = torch.full((tokens, k), 5)
+    else:
+        raise ValueError(mode)
+    w = torch.rand(tokens, k, generator=g) + 0.1
+    return ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
+
+
+def dense_reference(experts: nn.ModuleList, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 ground truth: each token through each of its k experts, weighted and summed."""
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            mlp = experts[int(ids[t, j])]
+            gate, up = xf[t] @ mlp.gate_proj.weight.float().T, xf[t] @ mlp.up_proj.weight.float().T
+            out[t] += w[t, j].float() * ((F.silu(gate) * up) @ mlp.down_proj.weight.float().T)
+    return out
+
+
+def torch_route(logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseMoeBlock.route's torch code, from the logits on."""
+    block = SparseMoeBlock(8, 4, logits.shape[1], k, norm)
+    block.gate.forward = lambda hidden: logits  # route() then runs its torch code on these logits
+    with fused_ops(False):  # on CUDA route() would call the kernel under test
+        return block.route(torch.empty(logits.shape[0], 8, dtype=dtype, device=logits.device))
+
+
+class CountCalls:
+    def __init__(self, fn):  # noqa: ANN001
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args):  # noqa: ANN002
+        self.calls += 1
+        return self.fn(*args)
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize(
+    "tokens,k,mode", [(1, 2, "random"), (3, 2, "random"), (8, 2, "random"), (5, 4, "shared"), (3, 4, "one_expert")]
+)
+def test_small_path_matches_torch_reference(moe_small, monkeypatch, tokens, k, mode):
+    experts = make_experts(seed=tokens)
+    x = torch.randn(tokens, H)
+    ids, w = routing(mode, tokens, k=k, seed=tokens)
+    ref = make_moe_executor("torch", experts)(x, ids, w)
+    ex = GroupedMoEExecutor(experts, small_batch=True)
+    spy = CountCalls(moe_small.fused_moe_small)
+    monkeypatch.setattr(moe_small, "fused_moe_small", spy)
+    out = ex(x, ids, w)
+    assert spy.calls == 1  # T * k <= 64: the executor took the small path
+    assert out.shape == (tokens, H) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert torch.equal(ex(x, ids, w), out)  # deterministic
+
+
+def test_small_path_reads_the_packed_stacks_directly(moe_small):
+    experts = make_experts()
+    ex = GroupedMoEExecutor(experts, small_batch=True)
+    x = torch.randn(4, H)
+    ids, w = routing("random", 4)
+    out = moe_small.fused_moe_small(x, ids, w, ex.w13, ex.w2)
+    torch.testing.assert_close(out, dense_reference(experts, x, ids, w), atol=1e-5, rtol=0)
+    experts[ids[0, 0].item()].down_proj.weight.mul_(2.0)  # a reload writes through the views
+    assert not torch.allclose(moe_small.fused_moe_small(x, ids, w, ex.w13, ex.w2)[0], out[0])
+
+
+def test_small_path_rows_do_not_depend_on_the_batch(moe_small):
+    """Fixed per-row summation order: a token's output is bit-identical alone or in a batch."""
+    experts = make_experts()
+    ex = GroupedMoEExecutor(experts, small_batch=True)
+    x = torch.randn(6, H)
+    ids, w = routing("random", 6)
+    full = moe_small.fused_moe_small(x, ids, w, ex.w13, ex.w2)
+    for t in (0, 5):
+        alone = moe_small.fused_moe_small(x[t : t + 1], ids[t : t + 1], w[t : t + 1], ex.w13, ex.w2)
+        assert torch.equal(alone[0], full[t])
+
+
+def test_dispatch_rule(moe_small, monkeypatch):
+    experts = make_experts()
+    spy = CountCalls(moe_small.fused_moe_small)
+    monkeypatch.setattr(moe_small, "fused_moe_small", spy)
+    small = GroupedMoEExecutor(experts, small_batch=True)
+    x = torch.randn(33, H)
+    ids, w = routing("random", 33)
+    small(x, ids, w)  # 33 * 2 = 66 pairs > 64: the grouped GEMMs
+    assert spy.calls == 0
+    small(x[:32], ids[:32], w[:32])  # 64 pairs: small
+    assert spy.calls == 1
+    assert small(x[:0], ids[:0], w[:0]).shape == (0, H) and spy.calls == 1
+    GroupedMoEExecutor(experts)(x[:2], ids[:2], w[:2])  # CPU default: the grouped GEMMs
+    assert spy.calls == 1
+    assert make_moe_executor("grouped", experts).small is None
+
+
+@pytest.mark.parametrize("num,k,tokens", [(8, 2, 5), (60, 4, 3), (128, 8, 2)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_matches_torch_route(moe_small, num, k, tokens, norm):
+    logits = torch.randn(tokens, num, generator=torch.Generator().manual_seed(num)) * 3
+    ids, w = moe_small.route_topk(logits, k, norm)
+    ref_ids, ref_w = torch_route(logits, k, norm, torch.float32)
+    assert ids.dtype == torch.int64 and ids.shape == (tokens, k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=0)
+
+
+def test_router_bf16_out_and_empty(moe_small):
+    logits = torch.randn(4, 16).bfloat16()
+    ids, w = moe_small.route_topk(logits, 4, True, out_dtype=torch.bfloat16)
+    ref_ids, ref_w = torch_route(logits, 4, True, torch.bfloat16)
+    assert torch.equal(ids, ref_ids) and w.dtype == torch.bfloat16
+    torch.testing.assert_close(w.float(), ref_w.float(), atol=4e-3, rtol=0)  # one bf16 ulp at most
+    empty_ids, empty_w = moe_small.route_topk(logits[:0], 4, True)
+    assert empty_ids.shape == (0, 4) and empty_w.shape == (0, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_small.route_topk(logits, 17, True)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+QWEN = dict(num=128, k=8, hidden=2048, inter=768)
+
+
+@pytest.fixture(scope="module")
+def qwen_experts():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return make_experts(num=QWEN["num"], hidden=QWEN["hidden"], inter=QWEN["inter"], dtype=torch.bfloat16,
+                        device="cuda", std=0.02)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("mode", ["random", "shared"])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_bf16_qwen3_layer_matches_reference(moe_small, qwen_experts, tokens, mode):
+    x = torch.randn(tokens, QWEN["hidden"], device="cuda").bfloat16()
+    ids, w = routing(mode, tokens, num=QWEN["num"], k=QWEN["k"], device="cuda", seed=tokens)
+    w = w.bfloat16()
+    ex = make_moe_executor("grouped", qwen_experts)
+    assert ex.small is not None  # on CUDA the grouped executor dispatches small batches
+    out = ex(x, ids, w)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert rel_err(out, make_moe_executor("torch", qwen_experts)(x, ids, w)) < 2e-2
+    assert rel_err(out, dense_reference(qwen_experts, x, ids, w)) < 1e-2  # fp32 inside: near the truth
+    assert torch.equal(out, moe_small.fused_moe_small(x, ids, w, ex.w13, ex.w2))
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_router_matches_torch_route(moe_small, tokens, norm):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, 128, device="cuda", generator=g) * 3
+    ids, w = moe_small.route_topk(logits, 8, norm)
+    ref_ids, ref_w = torch_route(logits, 8, norm, torch.float32)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, atol=2e-6, rtol=0)  # tl.exp is the fast exp2 on GPU
+    lb = logits.bfloat16()
+    ids, w = moe_small.route_topk(lb, 8, norm, out_dtype=torch.bfloat16)
+    ref_ids, ref_w = torch_route(lb, 8, norm, torch.bfloat16)
+    # bf16 logits tie often, and tied experts may come in either order; their weights are equal, so
+    # the weights compare position by position whatever the ids
+    torch.testing.assert_close(w.float(), ref_w.float(), atol=8e-3, rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_capture_and_replay_router_and_experts(moe_small, qwen_experts, tokens):
+    hidden, num, k = QWEN["hidden"], QWEN["num"], QWEN["k"]
+    ex = make_moe_executor("grouped", qwen_experts)
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    logits = torch.randn(tokens, num, device="cuda").bfloat16()
+
+    def step():
+        ids, w = moe_small.route_topk(logits, k, True, out_dtype=torch.bfloat16)
+        return ex(x, ids, w), ids
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the graph
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, ids = step()
+    for seed in (1, 2, 3):  # new inputs and routing, same shapes
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(tokens, hidden, device="cuda", generator=g))
+        logits.copy_(torch.randn(tokens, num, device="cuda", generator=g) * 2)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_ids = step()
+        assert torch.equal(ids, eager_ids) and torch.equal(out, eager_out), seed
+
+
+def _time_us(fn, reps: int = 50) -> float:
+    """GPU time per call of fn, replayed from a CUDA graph (as the decode step runs it)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_qwen3_layer_timing_small_vs_grouped(moe_small, qwen_experts):
+    """Prints per-layer times (graph replays) of the small path, the `_grouped_mm` path and the
+    routers; asserts closeness only."""
+    hidden, num, k, inter = QWEN["hidden"], QWEN["num"], QWEN["k"], QWEN["inter"]
+    small = GroupedMoEExecutor(qwen_experts, small_batch=True)
+    grouped = GroupedMoEExecutor(qwen_experts, small_batch=False)
+    expert_bytes = 3 * hidden * inter * 2
+    for tokens in (1, 2, 4, 8):
+        x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+        ids, w = routing("random", tokens, num=num, k=k, device="cuda", seed=tokens)
+        w = w.bfloat16()
+        assert rel_err(small(x, ids, w), grouped(x, ids, w)) < 2e-2
+        t_small = _time_us(lambda: small(x, ids, w))
+        t_grouped = _time_us(lambda: grouped(x, ids, w))
+        hit = int(torch.unique(ids).numel())
+        print(
+            f"\nMoE layer T={tokens}: small {t_small:6.1f} us ({hit * expert_bytes / t_small / 1e3:5.0f} GB/s), "
+            f"_grouped_mm {t_grouped:6.1f} us ({hit * expert_bytes / t_grouped / 1e3:5.0f} GB/s), "
+            f"{hit} experts hit, {t_grouped / t_small:.2f}x"
+        )
+    logits = torch.randn(1, num, device="cuda").bfloat16()
+
+    def torch_router():
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        return ids, (weights / weights.sum(dim=-1, keepdim=True)).bfloat16()
+
+    t_fused = _time_us(lambda: moe_small.route_topk(logits, k, True, out_dtype=torch.bfloat16))
+    print(f"\nrouter T=1: fused {t_fused:5.1f} us, torch {_time_us(torch_router):5.1f} us")

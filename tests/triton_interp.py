@@ -1,0 +1,74 @@
+"""Running Triton kernels on CPU through the interpreter (TRITON_INTERPRET=1), for tests.
+
+Triton 3.6 decides interpreter-or-compiler when a kernel is *decorated*, i.e. when its module is
+imported (and `tl.sum` & co. when Triton itself is imported), so call `interpret_without_cuda()`
+before anything imports Triton.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+def interpret_without_cuda() -> None:
+    """Without CUDA, make kernels decorated from now on run in the interpreter."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def check_interpreted(kernel: object) -> None:
+    """Fail with the fix when a kernel was decorated for the compiler on a machine without CUDA."""
+    if not torch.cuda.is_available() and type(kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set; call "
+                           "triton_interp.interpret_without_cuda() before anything imports triton")
+
+
+@contextmanager
+def numpy24_scalar_index() -> Iterator[None]:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into loop bounds
+    with int(array), which numpy >= 2.4 refuses for non-0-d arrays; convert through the element
+    while the context is open."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_scalar_index(tensor, scope):  # noqa: ANN001
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_tensor_scalar_index
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor = patch_tensor
+
+
+@contextmanager
+def interpreted_language() -> Iterator[None]:
+    """Without CUDA, run `tl.sum` & co. in the interpreter even when Triton was imported before
+    TRITON_INTERPRET was set (e.g. by transformers): the standard library's @jit functions were then
+    decorated for the compiler and refuse to be called; swap in interpreted twins while open."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    twins: dict[int, InterpretedFunction] = {}
+    changes = []
+    for mod in (tl, tl.core, tl.standard, tl.math):
+        for name, value in list(vars(mod).items()):
+            if isinstance(value, JITFunction):
+                twin = twins.setdefault(id(value), InterpretedFunction(value.fn))
+                changes.append((mod, name, value))
+                setattr(mod, name, twin)
+    try:
+        yield
+    finally:
+        for mod, name, value in reversed(changes):
+            setattr(mod, name, value)
