@@ -115,7 +115,7 @@ def bench_transformers(cfg: dict, prompt_len: int, new_tokens: int) -> dict:
 
 
 def build_engine(cfg: dict, model_dir: Path, max_num_seqs: int, max_batched: int, kv_gib: float,
-                 enforce_eager: bool) -> LLMEngine:
+                 enforce_eager: bool, fused_ops: bool = False) -> LLMEngine:
     with torch.device("meta"):
         model = get_model_class(cfg["model_type"])(cfg, torch.bfloat16)
     model = model.to_empty(device="cuda")
@@ -128,7 +128,7 @@ def build_engine(cfg: dict, model_dir: Path, max_num_seqs: int, max_batched: int
         model=ModelConfig(str(model_dir), torch.bfloat16, "cuda", max_model_len=max_batched + 1024),
         cache=CacheConfig(kv_cache_memory=int(kv_gib * (1 << 30)), enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched),
-        runner=RunnerConfig(enforce_eager=enforce_eager),
+        runner=RunnerConfig(enforce_eager=enforce_eager, fused_ops=fused_ops),
     )
     return LLMEngine(config, model=model)
 
@@ -185,7 +185,7 @@ def bracket_fused(engine: LLMEngine, batches: list[int], prompt: int, new_tokens
             r = run_decode(engine, b, prompt, new_tokens, seed=600 + phase)
             rows.append({"fused": enabled, "phase": phase, **r})
             print(f"fused={'on ' if enabled else 'off'} batch {b}: {r['decode_tok_s']:.1f} tok/s", flush=True)
-    set_fused_ops(True)
+    set_fused_ops(engine.runner_config.fused_ops)
     return rows
 
 
@@ -204,6 +204,7 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--fused-ops", action="store_true", help="measure with the experimental fused kernels on")
     ap.add_argument("--kv-gib", type=float, default=16.0)
     ap.add_argument("--compare-fused", action="store_true",
                     help="also bracket the fused small kernels: on -> off -> on, graphs recaptured each time")
@@ -232,7 +233,7 @@ def main() -> None:
     shutil.copy(TOKENIZER_ASSET, model_dir / "tokenizer.json")
     max_batched = max(int(x) for x in args.prefill.split(","))
     batches = [int(x) for x in args.batches.split(",")]
-    engine = build_engine(cfg, model_dir, max(batches), max_batched, args.kv_gib, args.enforce_eager)
+    engine = build_engine(cfg, model_dir, max(batches), max_batched, args.kv_gib, args.enforce_eager, args.fused_ops)
     results["decode"] = []
     for i, b in enumerate(batches):
         run_decode(engine, b, args.prompt, 8, seed=100 + i)  # warm-up

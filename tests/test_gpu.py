@@ -49,15 +49,17 @@ def _graph_steps(llm: LLM) -> float:
     return eng.metrics.model_steps.labels(model_name=eng.model_name, mode="cuda_graph")._value.get()
 
 
+@pytest.mark.parametrize("fused_ops", [False, True])
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
-def test_cuda_graph_replay_gives_the_eager_tokens(tmp_path, kind):
+def test_cuda_graph_replay_gives_the_eager_tokens(tmp_path, kind, fused_ops):
     save_tiny_model(tmp_path, kind, seed=6)
     g = torch.Generator().manual_seed(2)
     # Batch sizes equal to capture buckets (4, then 1), so eager and graph run identical shapes.
     prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (9, 40, 77, 130)]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    eager = LLM(str(tmp_path), device="cuda", kv_cache_memory="256MiB", enforce_eager=True, max_num_seqs=8)
-    graphed = LLM(str(tmp_path), device="cuda", kv_cache_memory="256MiB", max_num_seqs=8, max_k=2)
+    common = dict(device="cuda", kv_cache_memory="256MiB", max_num_seqs=8, fused_ops=fused_ops)
+    eager = LLM(str(tmp_path), enforce_eager=True, **common)
+    graphed = LLM(str(tmp_path), max_k=2, **common)
     assert set(graphed.engine.runner.graphs) == {(b, q) for b in (1, 2, 4, 8) for q in (1, 2, 3)}
     assert not eager.engine.runner.graphs
     for batch in (prompts, prompts[:1]):

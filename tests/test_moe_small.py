@@ -55,6 +55,13 @@ def _numpy24_scalar_index() -> Iterator[None]:
         interpreter._patch_lang_tensor = patch_tensor
 
 
+@pytest.fixture(autouse=True)
+def fused_switch_on():
+    """These tests exercise the fused kernels, which are opt-in (off by default)."""
+    with fused_ops(True):
+        yield
+
+
 @pytest.fixture(scope="module")
 def moe_small():
     mod = importlib.import_module("tandem.kernels.moe_small")

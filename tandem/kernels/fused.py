@@ -40,16 +40,17 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass
 class FusedOps:
-    """The process-wide setting. `enabled` only matters for CUDA tensors; CPU always runs torch."""
+    """The process-wide setting. `enabled` only matters for CUDA tensors; CPU always runs torch.
+    Off by default, as `RunnerConfig.fused_ops`; the engine sets it from its config."""
 
-    enabled: bool = True
+    enabled: bool = False
 
 
 _SETTINGS = FusedOps()
 
 
 def set_fused_ops(enabled: bool) -> None:
-    """Turn the fused kernels on or off for every layer (`--no-fused-ops` turns them off).
+    """Turn the fused kernels on or off for every layer (`--fused-ops` turns them on).
 
     Set it before CUDA graphs are captured: a captured graph keeps the kernels it recorded."""
     _SETTINGS.enabled = bool(enabled)
