@@ -176,7 +176,9 @@ def build_weights(config: dict, seed: int = SEED) -> dict[str, torch.Tensor]:
     return weights
 
 
-def build_tokenizer_config(tokenizer_json: str) -> dict:
+def build_tokenizer_config(tokenizer_json: str, model_max_length: int = ARCH["max_position_embeddings"]) -> dict:
+    """tokenizer_config.json for a tokenizer with Tandem's special and added tokens and the built-in
+    chat template (shared by the built-in and the demo model)."""
     _, added = _tokenizer_ids(tokenizer_json)
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -190,7 +192,7 @@ def build_tokenizer_config(tokenizer_json: str) -> dict:
         "pad_token": "<|endoftext|>",
         "unk_token": None,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": ARCH["max_position_embeddings"],
+        "model_max_length": model_max_length,
         "chat_template": CHAT_TEMPLATE_ASSET.read_text(encoding="utf-8"),
     }
 

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from tandem.attention.backend import register_attention_backend
 from tandem.engine.metadata import StepMetadata
+from tandem.kernels.device import sm_count
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: keeps fully masked rows NaN-free
 _LOG2E = 1.4426950408889634
@@ -255,16 +256,8 @@ def _pick_config(max_q: int, group_p: int, num_programs_per_tile: int, head_dim:
     return _Config(block_q, block_n, splits, num_warps, num_stages)
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return sm_count(device) or 1  # the interpreter (CPU) counts as one SM
 
 
 @register_attention_backend("triton")

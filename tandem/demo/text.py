@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tandem.builtin import _PRETOKENIZE_PATTERN, ADDED_TOKENS, CHAT_TEMPLATE_ASSET, SPECIAL_TOKENS
+from tandem.builtin import _PRETOKENIZE_PATTERN, ADDED_TOKENS, CHAT_TEMPLATE_ASSET, SPECIAL_TOKENS, build_tokenizer_config
 from tandem.demo.corpus import Example, make_corpus
 
 VOCAB_SIZE = 6144  # BPE vocabulary plus the added tokens
@@ -88,22 +88,7 @@ def train_tokenizer(n_examples: int = 20000, seed: int = 1) -> str:
 
 
 def tokenizer_config(tokenizer_json: str) -> dict[str, Any]:
-    added = {t["content"]: t["id"] for t in json.loads(tokenizer_json)["added_tokens"]}
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": {
-            str(i): {"content": t, "special": t in SPECIAL_TOKENS, "normalized": False, "lstrip": False,
-                     "rstrip": False, "single_word": False}
-            for t, i in sorted(added.items(), key=lambda kv: kv[1])
-        },
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MAX_POSITIONS,
-        "chat_template": CHAT_TEMPLATE_ASSET.read_text(encoding="utf-8"),
-    }
+    return build_tokenizer_config(tokenizer_json, MAX_POSITIONS)
 
 
 def special_ids(tokenizer_json: str) -> dict[str, int]:

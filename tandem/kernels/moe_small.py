@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.fused import fused_ops_enabled
+from tandem.kernels.device import sm_count
 
 # The grouped executor sends a step here when T * k is at most this; larger batches reuse each
 # expert's weights across enough rows for the grouped GEMMs to win.
@@ -103,17 +104,10 @@ def _down_combine_kernel(
 # thread per tile (kernel A holds two), so nothing spills.
 _MAX_TILE = 8192
 
-_sm_counts: dict[int, int] = {}
-
-
 def _target_programs(device: torch.device) -> int:
-    """~2 programs per SM: enough independent weight streams to saturate HBM on a GEMV."""
-    if device.type != "cuda":
-        return 264
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return 2 * _sm_counts[index]
+    """~2 programs per SM: enough independent weight streams to saturate HBM on a GEMV. The
+    interpreter (CPU) is sized as an H200 (132 SMs) so tests tile as the GPU does."""
+    return 2 * (sm_count(device) or 132)
 
 
 def _pick_block_n(rows: int, programs_per_tile: int, target: int) -> int:

@@ -203,28 +203,29 @@ class ChatChunkChoice(BaseModel):
         return delta.model_dump(exclude_none=True)
 
 
-class ChatCompletionChunk(BaseModel):
+class _StreamChunk(BaseModel):
+    """Fields and SSE framing shared by the chat and completion stream chunks."""
+
     id: str
+    object: str  # each subclass fixes it
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[Any]
+    usage: UsageInfo | None = None
+
+    def sse(self) -> str:
+        """One server-sent event; `usage` appears only on the chunk that carries it."""
+        return f"data: {self.model_dump_json(exclude={'usage'} if self.usage is None else None)}\n\n"
+
+
+class ChatCompletionChunk(_StreamChunk):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-    def sse(self) -> str:
-        return f"data: {self.model_dump_json(exclude={'usage'} if self.usage is None else None)}\n\n"
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_StreamChunk):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-    def sse(self) -> str:
-        return f"data: {self.model_dump_json(exclude={'usage'} if self.usage is None else None)}\n\n"
 
 
 class ModelCard(BaseModel):
