@@ -223,6 +223,12 @@ def test_tokenize_detokenize(http, engine) -> None:
     assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "hello world"
     chat = http.post("/tokenize", json={"messages": USER_HI}).json()
     assert chat["count"] > tok["count"]
+    # /tokenize renders a conversation exactly as chat completions do (a null field included).
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi", "name": None},
+             {"role": "assistant", "content": "hello", "tool_calls": None}, {"role": "user", "content": "again"}]
+    counted = http.post("/tokenize", json={"messages": convo}).json()["count"]
+    usage = http.post("/v1/chat/completions", json={"messages": convo, "max_tokens": 1}).json()["usage"]
+    assert counted == usage["prompt_tokens"]
     _error(http.post("/tokenize", json={}), 400)
     _error(http.post("/detokenize", json={"tokens": [10**9]}), 400)
 

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.config import ServerConfig
 from tandem.server import errors
-from tandem.server.chat_template import ChatTemplate, ChatTemplateError, resolve_template_source
+from tandem.server.chat_template import ChatRenderError, ChatTemplate, ChatTemplateError, resolve_template_source
 from tandem.server.errors import APIError
 from tandem.server.reasoning import ReasoningParser, get_reasoning_parser
 
@@ -58,6 +58,21 @@ class ServerState:
         if self.chat_template is None:
             raise errors.bad_request(self.chat_template_error or "no chat template is loaded")
         return self.chat_template
+
+    def render_chat(self, req: Any) -> str:
+        """The prompt text of a chat request (chat completions and /tokenize render alike), from its
+        `messages`, `tools`, `add_generation_prompt`, `continue_final_message` and
+        `chat_template_kwargs`. A template error is the client's: HTTP 400."""
+        try:
+            return self.template().render(
+                [m.model_dump(exclude_none=True) for m in req.messages],
+                tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                kwargs=req.chat_template_kwargs,
+            )
+        except ChatRenderError as e:
+            raise errors.bad_request(str(e), "messages") from e
 
 
 def state_of(request: Request) -> ServerState:

@@ -12,7 +12,6 @@ from pydantic import BaseModel, ValidationError
 import tandem
 from tandem.server import errors
 from tandem.server.app import state_of
-from tandem.server.chat_template import ChatRenderError
 from tandem.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -85,17 +84,7 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise errors.bad_request("send exactly one of `prompt` or `messages`", "prompt")
     if req.messages is not None:
-        try:
-            text = state.template().render(
-                [m.model_dump() for m in req.messages],
-                tools=req.tools,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                kwargs=req.chat_template_kwargs,
-            )
-        except ChatRenderError as e:
-            raise errors.bad_request(str(e), "messages") from e
-        tokens = engine.tokenizer.encode(text, add_special_tokens=False)
+        tokens = engine.tokenizer.encode(state.render_chat(req), add_special_tokens=False)
     else:
         tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return json_response(TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens))

@@ -12,7 +12,6 @@ from fastapi.responses import StreamingResponse
 from tandem.core import RequestOutput, TokenLogprobs
 from tandem.server import errors
 from tandem.server.app import ServerState, state_of
-from tandem.server.chat_template import ChatRenderError
 from tandem.server.errors import APIError
 from tandem.server.generation import (
     ClientDisconnected,
@@ -210,17 +209,7 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(req.model)
     engine = state.engine
     check_n(req.n, state.cfg.max_n)
-    template = state.template()
-    try:
-        prompt = template.render(
-            [m.model_dump(exclude_none=True) for m in req.messages],
-            tools=req.tools,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            kwargs=req.chat_template_kwargs,
-        )
-    except ChatRenderError as e:
-        raise errors.bad_request(str(e), "messages") from e
+    prompt = state.render_chat(req)
     ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     check_context(len(ids), max_tokens, engine.max_model_len)
@@ -230,7 +219,7 @@ async def chat_completions(request: Request) -> Response:
     params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, defaults=engine.tokenizer.generation_defaults)
     rid = new_request_id("chatcmpl")
     jobs = [(f"{rid}-{k}", ids, per_choice_seed(params, k)) for k in range(req.n)]
-    kwargs = {**template.default_kwargs, **(req.chat_template_kwargs or {})}
+    kwargs = {**state.template().default_kwargs, **(req.chat_template_kwargs or {})}
     parsers = [state.reasoning_parser(prompt, kwargs) if state.reasoning_parser else None for _ in jobs]
     try:
         streams = await unless_disconnected(request, start_streams(engine, jobs))
