@@ -16,6 +16,7 @@ from tandem import LLM, SamplingParams
 from tandem.kernels.moe_grouped import check_grouped_support, install_moe_executor, pack_expert_weights
 from tandem.models.layers.mlp import SwiGLUMLP
 from tandem.models.layers.moe import make_moe_executor
+from moe_refs import dense_reference, rel_err
 from tiny_models import save_tiny_model
 
 E, K, H, INTER = 8, 2, 64, 32
@@ -46,22 +47,6 @@ def routing(mode: str, tokens: int, num=E, k=K, device="cpu", seed=0) -> tuple[t
         raise ValueError(mode)
     w = torch.rand(tokens, k, generator=g) + 0.1
     return ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
-
-
-def dense_reference(experts: nn.ModuleList, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 ground truth: each token through each of its k experts, weighted and summed."""
-    xf = x.float()
-    out = torch.zeros_like(xf)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            mlp = experts[int(ids[t, j])]
-            h = xf[t] @ mlp.gate_proj.weight.float().T, xf[t] @ mlp.up_proj.weight.float().T
-            out[t] += w[t, j].float() * ((torch.nn.functional.silu(h[0]) * h[1]) @ mlp.down_proj.weight.float().T)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- CPU

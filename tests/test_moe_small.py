@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import time
-from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 import torch
@@ -23,7 +20,9 @@ from torch import nn
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before this module's imports decorate kernels
 
+from moe_refs import dense_reference, rel_err  # noqa: E402
 from tandem.kernels.fused import fused_ops  # noqa: E402
+from triton_interp import numpy24_scalar_index  # noqa: E402
 from tandem.kernels.moe_grouped import GroupedMoEExecutor  # noqa: E402
 from tandem.models.layers.mlp import SwiGLUMLP  # noqa: E402
 from tandem.models.layers.moe import SparseMoeBlock, make_moe_executor  # noqa: E402
@@ -34,25 +33,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _interpreted(fn: object) -> bool:
     return type(fn).__name__ == "InterpretedFunction"
-
-
-@contextmanager
-def _numpy24_scalar_index() -> Iterator[None]:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into loop bounds
-    with int(array), which numpy >= 2.4 refuses for non-0-d arrays; convert through the element."""
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_scalar_index(tensor, scope):  # noqa: ANN001
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch_tensor_scalar_index
-    try:
-        yield
-    finally:
-        interpreter._patch_lang_tensor = patch_tensor
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +59,7 @@ def moe_small():
         importlib.reload(tl)
     if not _interpreted(mod._gate_up_kernel):
         mod = importlib.reload(mod)
-    with _numpy24_scalar_index():
+    with numpy24_scalar_index():
         yield mod
 
 
@@ -108,22 +88,6 @@ def routing(mode: str, tokens: int, num=E, k=K, device="cpu", seed=0) -> tuple[t
         raise ValueError(mode)
     w = torch.rand(tokens, k, generator=g) + 0.1
     return ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
-
-
-def dense_reference(experts: nn.ModuleList, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp32 ground truth: each token through each of its k experts, weighted and summed."""
-    xf = x.float()
-    out = torch.zeros_like(xf)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            mlp = experts[int(ids[t, j])]
-            gate, up = xf[t] @ mlp.gate_proj.weight.float().T, xf[t] @ mlp.up_proj.weight.float().T
-            out[t] += w[t, j].float() * ((F.silu(gate) * up) @ mlp.down_proj.weight.float().T)
-    return out
 
 
 def torch_route(logits: torch.Tensor, k: int, norm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

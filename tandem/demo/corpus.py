@@ -353,7 +353,7 @@ def gen_json(rng: random.Random, thinking: bool) -> Example:
         fld = rng.choice(["age", "city"])
         res = [{"name": r["name"], fld: r[fld]} for r in recs]
         q = f'Keep only the keys "name" and "{fld}" in each record: {shown}'
-        steps = [f"Drop the other key from each record, keep the order."] + [
+        steps = ["Drop the other key from each record, keep the order."] + [
             f'{r["name"]}: keep {fld} {json.dumps(r[fld])}' for r in recs]
     elif mode == "rename":
         new = rng.choice(["years", "person", "town"])
