@@ -91,10 +91,48 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                    help="seconds running requests may finish after SIGINT/SIGTERM")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p = sub.add_parser("plan", help="print where weights and KV cache go, and whether it fits, without loading")
+    p.add_argument("model", nargs="?", default=None, help="HF-format model directory (default: the built-in model)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
+    p.add_argument("--gpu-memory", default=None, help="plan for a GPU of this size, e.g. 24GiB (default: this GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     from tandem.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
     return parser
+
+
+def plan(args: argparse.Namespace) -> int:
+    """`tandem plan`: exit 0 when the plan fits, 1 when it does not (the reasons are printed)."""
+    from tandem.offload.planner import plan_memory
+
+    # --gpu-memory plans for a GPU that need not be here, so it implies CUDA.
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and args.gpu_memory) else resolve_device(args.device)
+    model_dir = args.model
+    if model_dir is None:
+        from tandem.builtin import ensure_builtin_model
+
+        model_dir = str(ensure_builtin_model())
+    from tandem.models.loader import CheckpointError
+
+    try:
+        result = plan_memory(
+            model_dir, resolve_dtype(args.dtype, device), device,
+            max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+            device_bytes=parse_size(args.gpu_memory) if args.gpu_memory else None,
+        )
+    except CheckpointError as e:
+        sys.stderr.write(f"tandem: error: {e}\n")
+        return 1
+    print(result.render())
+    return 0 if result.fits else 1
 
 
 def _json_object(text: str | None, flag: str) -> dict[str, Any]:
@@ -289,6 +327,8 @@ def run(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(args)
+        if args.command == "plan":
+            return plan(args)
         if args.command == "bench":
             from tandem.bench.cli import run_bench
 

@@ -22,12 +22,12 @@ from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
 from tandem.models.base import CausalLM
 from tandem.models.loader import inspect_checkpoint, load_checkpoint
+from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, kv_blocks
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("tandem")
 
 GiB = 1024**3
-DEFAULT_CPU_KV_MEMORY = 4 * GiB  # as vLLM's CPU backend: KV space is a fixed budget on CPU
 CAPTURABLE_ATTENTION = {"triton"}  # backends that read only device tensors (no host syncs)
 CAPTURABLE_MOE = {"grouped"}
 
@@ -139,17 +139,7 @@ class LLMEngine:
             budget = self._profile_free_gpu_memory()
         else:
             budget = DEFAULT_CPU_KV_MEMORY
-        num_blocks = budget // bytes_per_block
-        needed = -(-self.max_model_len // block_size)
-        if num_blocks < needed:
-            raise MemoryError(
-                f"KV cache needs {needed * bytes_per_block / GiB:.2f} GiB for one request at "
-                f"--max-model-len {self.max_model_len} but the budget leaves {budget / GiB:.2f} GiB; "
-                "lower --max-model-len or raise --kv-cache-memory / --gpu-memory-utilization"
-            )
-        # More blocks than every sequence at full length could use is wasted memory.
-        useful = needed * self.config.scheduler.max_num_seqs + 1
-        return int(min(num_blocks, useful))
+        return kv_blocks(budget, bytes_per_block, self.max_model_len, block_size, self.config.scheduler.max_num_seqs)
 
     def _profile_free_gpu_memory(self) -> int:
         """Run one forward pass at the largest step size to measure activation memory, then give

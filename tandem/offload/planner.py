@@ -1,0 +1,155 @@
+"""Memory plan: where the weights and the KV cache go, computed from config.json and the
+safetensors headers before anything is loaded (`tandem plan`).
+
+The engine sizes its KV cache with `kv_blocks` below; on CUDA it measures activation memory with a
+profiling pass at start-up, so the plan's activation figure is an estimate and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tandem.kv.spec import group_layers
+from tandem.models.loader import inspect_checkpoint
+
+GiB = 1024**3
+DEFAULT_CPU_KV_MEMORY = 4 * GiB  # as vLLM's CPU backend: KV space is a fixed budget on CPU
+CUDA_OVERHEAD = GiB // 2  # CUDA context, cuBLAS workspaces and allocator slack (estimate)
+
+
+def kv_blocks(budget: int, bytes_per_block: int, max_model_len: int, block_size: int, max_num_seqs: int) -> int:
+    """KV blocks a budget buys, capped at what max_num_seqs sequences of max_model_len can use.
+    Raises MemoryError (with what to change) when not even one full-length request fits."""
+    num_blocks = budget // bytes_per_block
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise MemoryError(
+            f"KV cache needs {needed * bytes_per_block / GiB:.2f} GiB for one request at "
+            f"--max-model-len {max_model_len} but the budget leaves {max(budget, 0) / GiB:.2f} GiB; "
+            "lower --max-model-len or raise --kv-cache-memory / --gpu-memory-utilization"
+        )
+    return int(min(num_blocks, needed * max_num_seqs + 1))  # more would be unusable
+
+
+def _category(name: str) -> str:
+    if ".experts." in name:
+        return "routed experts"
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return "embeddings + lm_head"
+    if ".self_attn." in name:
+        return "attention"
+    return "other (norms, router, dense MLP)"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model_dir: Path
+    model_type: str
+    dtype: torch.dtype
+    device: str
+    weights: dict[str, int]  # bytes by category, in the run dtype
+    kv_bytes_per_token: int
+    max_model_len: int
+    max_num_seqs: int
+    device_bytes: int | None  # GPU memory the plan is for (None on CPU)
+    activation_bytes: int  # estimate (CUDA only; measured by the engine at start-up)
+    kv_budget: int
+    kv_tokens: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        lines = [f"Memory plan for {self.model_dir} ({self.model_type}, {str(self.dtype).removeprefix('torch.')}, "
+                 f"{self.device})"]
+        for cat, n in sorted(self.weights.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  weights  {cat:<34} {n / GiB:9.2f} GiB")
+        lines.append(f"  weights  {'total':<34} {self.weights_total / GiB:9.2f} GiB")
+        if self.device_bytes is not None:
+            lines.append(f"  activations + CUDA overhead (estimate)      {self.activation_bytes / GiB:9.2f} GiB")
+        lines.append(f"  KV cache budget                             {max(self.kv_budget, 0) / GiB:9.2f} GiB "
+                     f"({self.kv_bytes_per_token / 1024:.1f} KiB per token)")
+        if self.kv_tokens:
+            lines.append(f"  KV capacity {self.kv_tokens} tokens; max concurrency at --max-model-len "
+                         f"{self.max_model_len}: {self.kv_tokens / self.max_model_len:.2f}x")
+        lines += [f"  DOES NOT FIT: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def plan_memory(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: str,
+    *,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    kv_cache_memory: int | None = None,
+    device_bytes: int | None = None,
+) -> MemoryPlan:
+    """Plan without touching device memory. On CUDA, `device_bytes` is the GPU's memory (the
+    current device's when None)."""
+    info = inspect_checkpoint(model_dir)  # validates the checkpoint; builds only a meta model
+    elem = torch.empty((), dtype=dtype).element_size()
+    weights: dict[str, int] = {}
+    for name, entry in info.tensors.items():
+        if name not in info.unused:
+            weights[_category(name)] = weights.get(_category(name), 0) + math.prod(entry.shape) * elem
+    with torch.device("meta"):
+        model = info.model_class(info.config, dtype)
+    groups = group_layers(model.kv_cache_specs())
+    kv_per_token = sum(g.bytes_per_block(block_size) for g in groups) // block_size
+    max_len = max_model_len or model.max_position_embeddings
+    activation = 0
+    if device == "cuda":
+        if device_bytes is None:
+            if not torch.cuda.is_available():
+                raise ValueError("planning for CUDA without a GPU here: pass --gpu-memory (e.g. 24GiB)")
+            device_bytes = torch.cuda.mem_get_info()[1]
+        activation = CUDA_OVERHEAD + _activation_estimate(info.config, min(max_num_batched_tokens, max_len),
+                                                          max_num_seqs, elem)
+    if kv_cache_memory is not None:
+        budget = kv_cache_memory
+    elif device == "cuda":
+        budget = int(gpu_memory_utilization * device_bytes) - sum(weights.values()) - activation
+    else:
+        budget = DEFAULT_CPU_KV_MEMORY
+    problems = []
+    if device == "cuda" and sum(weights.values()) + activation > gpu_memory_utilization * device_bytes:
+        problems.append(
+            f"the weights ({sum(weights.values()) / GiB:.2f} GiB) and activations do not fit in "
+            f"{gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB; use a bigger GPU or a smaller model "
+            "(expert offload to system RAM is planned)"
+        )
+    kv_tokens = 0
+    try:
+        kv_tokens = kv_blocks(budget, kv_per_token * block_size, max_len, block_size, max_num_seqs) * block_size
+    except MemoryError as e:
+        problems.append(str(e))
+    return MemoryPlan(Path(model_dir), info.model_type, dtype, device, weights, kv_per_token, max_len,
+                      max_num_seqs, device_bytes, activation, budget, kv_tokens, problems)
+
+
+def _activation_estimate(config: dict, tokens: int, max_num_seqs: int, elem: int) -> int:
+    """Peak transient memory of one step of `tokens` tokens (hidden states, q/k/v, the widest MLP
+    or expert activations, logits of the sampled rows), generously rounded up."""
+    h = int(config["hidden_size"])
+    d = int(config.get("head_dim") or h // int(config["num_attention_heads"]))
+    qkv = (int(config["num_attention_heads"]) + 2 * int(config["num_key_value_heads"])) * d
+    k = int(config.get("num_experts_per_tok", 1))
+    mlp = max(int(config.get("intermediate_size", 0)), k * int(config.get("moe_intermediate_size", 0)))
+    per_token = (8 * h + 2 * qkv + 3 * mlp) * elem
+    logits = max_num_seqs * int(config["vocab_size"]) * 4 * 2
+    return 2 * (tokens * per_token + logits)
