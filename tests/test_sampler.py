@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tandem.core import MAX_LOGPROBS, ParamError, Request, SamplingParams
-from tandem.engine.sampler import Sampler, apply_penalties, filter_logits
+from tandem.engine.sampler import Sampler, apply_penalties, filter_logits, filter_logits_batch
 
 
 def req(params: SamplingParams, prompt=(1, 2, 3), outputs=(), rid="r") -> Request:
@@ -84,3 +84,32 @@ def test_invalid_params_raise_param_error(kwargs):
     with pytest.raises(ParamError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == next(iter(kwargs))
+
+
+def test_batched_filter_equals_the_row_filter():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 50, generator=g) * 3
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.2),
+                                 (0.5, 10, 0.9, 0.05), (2.0, 1, 1.0, 0.0), (1.0, 50, 0.5, 0.0), (1.0, -1, 0.99, 0.0),
+                                 (0.9, 3, 0.3, 0.5), (1.1, 49, 1.0, 0.01), (1.0, 20, 0.95, 0.1), (0.3, 0, 0.1, 0.0)]]
+    got = filter_logits_batch(
+        logits, torch.tensor([p.temperature for p in params]), torch.tensor([p.top_k for p in params]),
+        torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]))
+    want = torch.stack([filter_logits(logits[i], p) for i, p in enumerate(params)])
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.allclose(got[torch.isfinite(got)], want[torch.isfinite(want)])
+
+
+def test_batched_sampling_follows_each_rows_distribution():
+    # Row 0: p = (0.7, 0.2, 0.1); row 1 keeps only its top token (top_k=1); row 2 is greedy.
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.2, 0.5, 0.3], [0.1, 0.3, 0.6]]))
+    reqs = [req(SamplingParams(temperature=1.0), rid="a"), req(SamplingParams(temperature=1.0, top_k=1), rid="b"),
+            req(SamplingParams(temperature=0.0), rid="c")]
+    s = Sampler("cpu", seed=3)
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        a, b, c = s(logits, reqs).token_ids
+        counts[a] += 1
+        assert b == 1 and c == 2
+    assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)

@@ -57,6 +57,29 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def filter_logits_batch(
+    logits: torch.Tensor,  # [S, V] float32
+    temperature: torch.Tensor,  # [S]
+    top_k: torch.Tensor,  # [S] int64; <= 0 or >= V: off
+    top_p: torch.Tensor,  # [S]; 1.0: off
+    min_p: torch.Tensor,  # [S]; 0.0: off
+) -> torch.Tensor:
+    """`filter_logits` for many rows at once, each with its own parameters (one sort for all)."""
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [S, V]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [S, 1]: the k-th largest (ties stay in)
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    # Top-p over what top-k kept; masking keeps the sorted order, so the sort is reused.
+    probs = torch.softmax(sorted_logits.masked_fill(sorted_logits < kth, float("-inf")), dim=-1)
+    drop_sorted = ((torch.cumsum(probs, dim=-1) - probs) > top_p[:, None]) & (top_p < 1.0)[:, None]
+    logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    below = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(below & (min_p > 0.0)[:, None], float("-inf"))
+
+
 def top_logprobs(raw_logprobs: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
     chosen = Logprob(token_id, float(raw_logprobs[token_id]))
     top: tuple[Logprob, ...] = ()
@@ -89,21 +112,36 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [S, V] float32, one row per request -> one token per request.
 
-        Plain greedy rows are decided by one batched argmax; other rows are processed one by one
-        on the device; the chosen tokens come back to the host in a single copy.
+        Plain greedy rows take one batched argmax and plain sampling rows one batched filter and
+        draw; rows with penalties, min_tokens or a seed are processed one by one on the device. The
+        chosen tokens come back to the host in a single copy.
         """
         logits = logits.float()
-        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)  # [S]
-        plain = [i for i, r in enumerate(requests)
-                 if r.params.greedy and not r.params.needs_penalties and r.num_output_tokens >= r.params.min_tokens]
-        plain_set = set(plain)
-        if plain:
-            rows = torch.tensor(plain, device=logits.device)
+        dev = logits.device
+        tokens = torch.empty(len(requests), dtype=torch.long, device=dev)  # [S]
+        simple = [not r.params.needs_penalties and r.num_output_tokens >= r.params.min_tokens for r in requests]
+        greedy = [i for i, r in enumerate(requests) if simple[i] and r.params.greedy]
+        # Unseeded sampling rows share one batched filter and one draw from the engine's generator.
+        batched = [i for i, r in enumerate(requests) if simple[i] and not r.params.greedy and r.params.seed is None]
+        if greedy:
+            rows = torch.tensor(greedy, device=dev)
             tokens[rows] = torch.argmax(logits[rows], dim=-1)
+        if batched:
+            rows = torch.tensor(batched, device=dev)
+            ps = [requests[i].params for i in batched]
+            filtered = filter_logits_batch(
+                logits[rows],
+                torch.tensor([p.temperature for p in ps], device=dev),
+                torch.tensor([p.top_k for p in ps], device=dev),
+                torch.tensor([p.top_p for p in ps], device=dev),
+                torch.tensor([p.min_p for p in ps], device=dev),
+            )
+            draws = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=self.default_generator)
+            tokens[rows] = draws[:, 0]
+        done = set(greedy) | set(batched)
         for i, req in enumerate(requests):
-            if i in plain_set:
-                continue
-            tokens[i] = self._sample_row(logits[i].clone(), req)
+            if i not in done:  # penalties, min_tokens or a per-request seed: one row at a time
+                tokens[i] = self._sample_row(logits[i].clone(), req)
         token_ids = tokens.tolist()  # the step's one host sync
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if any(r.params.logprobs is not None for r in requests):
