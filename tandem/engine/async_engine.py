@@ -106,12 +106,12 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         self.engine.validate(prompt_token_ids, params)  # reads only immutable limits: thread-safe
+        if request_id in self._streams:
+            raise ParamError(f"request id {request_id} is already in use", "request_id")
         with self._lock:
             if self._num_waiting >= self.max_queued:
                 raise QueueFullError(f"the waiting queue is full ({self.max_queued} requests); retry later")
             self._num_waiting += 1
-        if request_id in self._streams:
-            raise ParamError(f"request id {request_id} is already in use", "request_id")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(_Add(request_id, list(prompt_token_ids), params))
