@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.layers.mlp import SwiGLUMLP
+
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
@@ -19,3 +21,15 @@ def dense_reference(experts: nn.ModuleList, x: torch.Tensor, ids: torch.Tensor, 
             gate, up = xf[t] @ mlp.gate_proj.weight.float().T, xf[t] @ mlp.up_proj.weight.float().T
             out[t] += w[t, j].float() * ((F.silu(gate) * up) @ mlp.down_proj.weight.float().T)
     return out
+
+
+def make_experts(num: int = 8, hidden: int = 64, inter: int = 32, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 seed: int = 0, std: float = 0.1) -> nn.ModuleList:
+    """`num` random SwiGLU experts (weights ~ N(0, std)), frozen."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        experts = nn.ModuleList(SwiGLUMLP(hidden, inter) for _ in range(num))
+    experts.to(dtype).requires_grad_(False)
+    for p in experts.parameters():
+        p.normal_(0.0, std)
+    return experts

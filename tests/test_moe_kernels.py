@@ -14,23 +14,12 @@ from torch import nn
 
 from tandem import LLM, SamplingParams
 from tandem.kernels.moe_grouped import check_grouped_support, install_moe_executor, pack_expert_weights
-from tandem.models.layers.mlp import SwiGLUMLP
 from tandem.models.layers.moe import make_moe_executor
-from moe_refs import dense_reference, rel_err
+from moe_refs import dense_reference, make_experts, rel_err
 from tiny_models import save_tiny_model
 
 E, K, H, INTER = 8, 2, 64, 32
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def make_experts(num=E, hidden=H, inter=INTER, dtype=torch.float32, device="cpu", seed=0, std=0.1) -> nn.ModuleList:
-    torch.manual_seed(seed)
-    with torch.device(device):
-        experts = nn.ModuleList(SwiGLUMLP(hidden, inter) for _ in range(num))
-    experts.to(dtype).requires_grad_(False)
-    for p in experts.parameters():
-        p.normal_(0.0, std)
-    return experts
 
 
 def routing(mode: str, tokens: int, num=E, k=K, device="cpu", seed=0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,16 +15,14 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before this module's imports decorate kernels
 
-from moe_refs import dense_reference, rel_err  # noqa: E402
+from moe_refs import dense_reference, make_experts, rel_err  # noqa: E402
 from tandem.kernels.fused import fused_ops  # noqa: E402
 from triton_interp import numpy24_scalar_index  # noqa: E402
 from tandem.kernels.moe_grouped import GroupedMoEExecutor  # noqa: E402
-from tandem.models.layers.mlp import SwiGLUMLP  # noqa: E402
 from tandem.models.layers.moe import SparseMoeBlock, make_moe_executor  # noqa: E402
 
 E, K, H, INTER = 8, 2, 64, 32
@@ -61,16 +59,6 @@ def moe_small():
         mod = importlib.reload(mod)
     with numpy24_scalar_index():
         yield mod
-
-
-def make_experts(num=E, hidden=H, inter=INTER, dtype=torch.float32, device="cpu", seed=0, std=0.1) -> nn.ModuleList:
-    torch.manual_seed(seed)
-    with torch.device(device):
-        experts = nn.ModuleList(SwiGLUMLP(hidden, inter) for _ in range(num))
-    experts.to(dtype).requires_grad_(False)
-    for p in experts.parameters():
-        p.normal_(0.0, std)
-    return experts
 
 
 def routing(mode: str, tokens: int, num=E, k=K, device="cpu", seed=0) -> tuple[torch.Tensor, torch.Tensor]:
