@@ -115,7 +115,7 @@ def bench_transformers(cfg: dict, prompt_len: int, new_tokens: int) -> dict:
 
 
 def build_engine(cfg: dict, model_dir: Path, max_num_seqs: int, max_batched: int, kv_gib: float,
-                 enforce_eager: bool, fused_ops: bool = False) -> LLMEngine:
+                 enforce_eager: bool, fused_ops: bool = True) -> LLMEngine:
     with torch.device("meta"):
         model = get_model_class(cfg["model_type"])(cfg, torch.bfloat16)
     model = model.to_empty(device="cuda")
@@ -204,7 +204,8 @@ def main() -> None:
     ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--fused-ops", action="store_true", help="measure with the experimental fused kernels on")
+    ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
+                    help="the fused small kernels (default on, as in the engine); --no-fused-ops measures without")
     ap.add_argument("--kv-gib", type=float, default=16.0)
     ap.add_argument("--compare-fused", action="store_true",
                     help="also bracket the fused small kernels: on -> off -> on, graphs recaptured each time")

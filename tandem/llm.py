@@ -46,7 +46,7 @@ class LLM:
         enforce_eager: bool = False,
         attention_backend: str = "auto",
         moe_backend: str = "auto",
-        fused_ops: bool = False,
+        fused_ops: bool = True,
         max_k: int = 0,
     ) -> None:
         dev = resolve_device(device)

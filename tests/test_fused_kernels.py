@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interp import check_interpreted, interpret_without_cuda, interpreted_language, numpy24_scalar_index
+from triton_interp import (check_interpreted, interpret_without_cuda, interpreted_language, numpy24_scalar_index,
+                           skip_interpreter_test_on_cuda)
 
 interpret_without_cuda()  # before anything imports Triton
 
@@ -28,8 +29,14 @@ ATOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
+def interpreter_tests_only_without_cuda(request):
+    skip_interpreter_test_on_cuda(request.node)
+
+
+@pytest.fixture(autouse=True)
 def fused_switch_on():
-    """These tests exercise the fused kernels, which are opt-in (off by default)."""
+    """These tests exercise the fused kernels (on by default; pinned on here so
+    a test that turns them off cannot leak)."""
     with fused_module.fused_ops(True):
         yield
 
@@ -262,10 +269,11 @@ def test_qk_norm_rope_matches_torch_cuda(fused, dtype, T):
     # A one-ulp difference in the normed value can survive x*cos - y*sin's cancellation: the floor
     # is the scale of the normed inputs (weights ~1), not of the (possibly tiny) result. The norm's
     # compiled rsqrt differs from torch's in the last bit, so after rotary only most elements are
-    # bitwise equal (88.6% in bf16 on the H200, 2026-11-29, all within 3 ulps): the ulp bound is the
-    # contract here, with a bitwise floor that still catches a wrong formula.
-    _assert_within_ulps(out_q, ref_q, 3, 8.0, bitwise_min=0.8)
-    _assert_within_ulps(out_k, ref_k, 3, 8.0, bitwise_min=0.8)
+    # bitwise equal (H200, 2026-11-29, all within 3 ulps: 88.6% at T=5 in bf16, 76.7% / 75.3% at
+    # T=257 in bf16 / fp16): the ulp bound is the contract here; the bitwise floor only catches a
+    # kernel that rounds at different points from torch's.
+    _assert_within_ulps(out_q, ref_q, 3, 8.0, bitwise_min=0.6)
+    _assert_within_ulps(out_k, ref_k, 3, 8.0, bitwise_min=0.6)
     # Rotary alone repeats torch's roundings exactly in bf16/fp16 (fp32 may contract to FMA).
     with fused.fused_ops(False):
         ref_q, ref_k = apply_rotary(q, k, cos, sin)

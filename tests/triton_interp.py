@@ -20,6 +20,16 @@ def interpret_without_cuda() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def skip_interpreter_test_on_cuda(node) -> None:
+    """For an autouse fixture: a test not marked `gpu` hands CPU tensors to the kernels, which only
+    works through the interpreter, and that is switched on only without CUDA; on a CUDA machine the
+    `gpu`-marked tests cover the same kernels on the device."""
+    import pytest
+
+    if torch.cuda.is_available() and node.get_closest_marker("gpu") is None:
+        pytest.skip("Triton-interpreter test on CPU tensors; the gpu-marked tests cover CUDA")
+
+
 def check_interpreted(kernel: object) -> None:
     """Fail with the fix when a kernel was decorated for the compiler on a machine without CUDA."""
     if not torch.cuda.is_available() and type(kernel).__name__ != "InterpretedFunction":

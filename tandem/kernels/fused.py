@@ -41,16 +41,16 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @dataclass
 class FusedOps:
     """The process-wide setting. `enabled` only matters for CUDA tensors; CPU always runs torch.
-    Off by default, as `RunnerConfig.fused_ops`; the engine sets it from its config."""
+    On by default, as `RunnerConfig.fused_ops`; the engine sets it from its config."""
 
-    enabled: bool = False
+    enabled: bool = True
 
 
 _SETTINGS = FusedOps()
 
 
 def set_fused_ops(enabled: bool) -> None:
-    """Turn the fused kernels on or off for every layer (`--fused-ops` turns them on).
+    """Turn the fused kernels on or off for every layer (`--no-fused-ops` turns them off).
 
     Set it before CUDA graphs are captured: a captured graph keeps the kernels it recorded."""
     _SETTINGS.enabled = bool(enabled)
