@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 FAMILIES = ("arithmetic", "sort", "count", "units", "python", "json", "lookup", "tool")
-# Share of each family in the training mix (lookup examples are long, so fewer of them).
-WEIGHTS = {"arithmetic": 4, "sort": 3, "count": 3, "units": 2, "python": 3, "json": 3, "lookup": 2, "tool": 2}
+# Share of each family in the training mix. Lookup examples are long (up to ~8K tokens) and carry
+# few loss tokens: at weight 2 with 40% long haystacks they took 59% of all training tokens (v0
+# run), so they get weight 1 and mostly short haystacks (LOOKUP_LONG_SHARE), about a third of tokens.
+WEIGHTS = {"arithmetic": 4, "sort": 3, "count": 3, "units": 2, "python": 3, "json": 3, "lookup": 1, "tool": 2}
+LOOKUP_LONG_SHARE = 0.2
 NO_THINK_SHARE = 0.15  # examples rendered with enable_thinking=false (no reasoning)
 
 
@@ -386,10 +389,12 @@ def _key(rng: random.Random) -> str:
     return f"{rng.choice(_ADJ)}-{rng.choice(_NOUN)}-{rng.randint(10, 99)}"
 
 
-def gen_lookup(rng: random.Random, thinking: bool, n_lines: int | None = None, depth: float | None = None) -> Example:
-    """`n_lines` lines of `key: value`; the asked key sits at `depth` (0..1) of the haystack."""
+def gen_lookup(rng: random.Random, thinking: bool, n_lines: int | None = None, depth: float | None = None,
+               long_share: float = LOOKUP_LONG_SHARE) -> Example:
+    """`n_lines` lines of `key: value`; the asked key sits at `depth` (0..1) of the haystack. Without
+    `n_lines`: 20-120 lines, or with probability `long_share` 120 lines up to ~8K tokens."""
     if n_lines is None:
-        n_lines = rng.randint(20, 120) if rng.random() < 0.6 else rng.randint(120, 8 * LOOKUP_LINES_PER_1K_TOKENS - 40)
+        n_lines = rng.randint(20, 120) if rng.random() >= long_share else rng.randint(120, 8 * LOOKUP_LINES_PER_1K_TOKENS - 40)
     keys: dict[str, int] = {}
     while len(keys) < n_lines:
         keys.setdefault(_key(rng), rng.randint(1000, 99999))
@@ -470,13 +475,40 @@ _GENERATORS = {"arithmetic": gen_arithmetic, "sort": gen_sort, "count": gen_coun
                "python": gen_python, "json": gen_json, "lookup": gen_lookup, "tool": gen_tool}
 
 
-def make_example(seed: int, index: int, family: str | None = None) -> Example:
-    """The `index`-th example of the corpus with this seed (optionally forcing the family)."""
+@dataclass(frozen=True)
+class Mix:
+    """What a corpus draws: family weights and the share of long lookup haystacks. Each stage of
+    the demo model's training names its mix (`python -m tandem.demo.train --mix ...`)."""
+
+    weights: tuple[tuple[str, float], ...] = tuple(WEIGHTS.items())
+    lookup_long_share: float = LOOKUP_LONG_SHARE
+
+    @classmethod
+    def parse(cls, spec: str | None = None, lookup_long_share: float | None = None) -> Mix:
+        """`spec` like "arithmetic=6,sort=5" overrides those families' weights (0 drops one)."""
+        weights = dict(WEIGHTS)
+        for part in filter(None, (spec or "").split(",")):
+            name, _, value = part.partition("=")
+            if name.strip() not in weights or not value:
+                raise ValueError(f"bad --mix entry {part!r}: expected FAMILY=WEIGHT, FAMILY one of {', '.join(FAMILIES)}")
+            weights[name.strip()] = float(value)
+        if sum(weights.values()) <= 0:
+            raise ValueError("--mix gives every family weight 0")
+        share = LOOKUP_LONG_SHARE if lookup_long_share is None else lookup_long_share
+        return cls(tuple(weights.items()), share)
+
+
+def make_example(seed: int, index: int, family: str | None = None, mix: Mix | None = None) -> Example:
+    """The `index`-th example of the corpus with this seed and mix (optionally forcing the family)."""
+    mix = mix or Mix()
     rng = random.Random(f"tandem-demo:{seed}:{index}:{family or ''}")
     if family is None:
-        family = rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
+        family = rng.choices([f for f, _ in mix.weights], weights=[w for _, w in mix.weights])[0]
     thinking = family == "tool" or rng.random() >= NO_THINK_SHARE
-    ex = _GENERATORS[family](rng, thinking)
+    if family == "lookup":
+        ex = gen_lookup(rng, thinking, long_share=mix.lookup_long_share)
+    else:
+        ex = _GENERATORS[family](rng, thinking)
     ex.enable_thinking = thinking
     return ex
 

@@ -119,6 +119,47 @@ def lookup_examples(tok, lengths=(1000, 4000, 8000), depths=(0.25, 0.5, 0.75), n
     return out
 
 
+@torch.no_grad()
+def quick_accuracy(model: CausalLM, tok, examples: list[Example], device: str | torch.device,
+                   max_new: int = 400, batch: int = 64) -> dict[str, Any]:
+    """Greedy accuracy of a training-side model on `examples`, decoded without a KV cache (every
+    step reruns the whole padded batch): a progress check during training that needs no engine.
+    Rows are right-padded; under causal attention the padding after a row's last token cannot
+    change its logits, so each row decodes exactly as it would alone. Tool examples count the
+    first turn only (the call). The reported figures come from `main` (through Tandem)."""
+    end = tok.token_to_id("<|im_end|>")
+    pad = tok.token_to_id("<|endoftext|>")
+    ok: dict[str, list[bool]] = {}
+    for s in range(0, len(examples), batch):
+        exs = examples[s:s + batch]
+        rows = [tok.encode(text.render_prompt(ex), add_special_tokens=False).ids for ex in exs]
+        n0 = [len(r) for r in rows]
+        done = [False] * len(rows)
+        for _ in range(max_new):
+            L = max(len(r) for r in rows)
+            ids = torch.full((len(rows), L), pad, dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, :len(r)] = torch.tensor(r)
+            ids = ids.to(device)
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
+                h = model(ids, logits=False)[1][-1]
+            last = torch.tensor([len(r) - 1 for r in rows], device=ids.device)
+            nxt = model.head(h[torch.arange(len(rows), device=ids.device), last]).argmax(-1).tolist()
+            for i, t in enumerate(nxt):
+                if not done[i]:
+                    rows[i].append(t)
+                    done[i] = t == end
+            if all(done):
+                break
+        for ex, r, n in zip(exs, rows, n0):
+            out = _decode(tok, r[n:])
+            good = check_tool_call(ex, out) if ex.family == "tool" else check(ex, out)
+            ok.setdefault(ex.family, []).append(bool(good))
+    fam = {f: round(sum(v) / len(v), 4) for f, v in ok.items()}
+    allv = [x for v in ok.values() for x in v]
+    return {"by_family": fam, "overall": round(sum(allv) / max(1, len(allv)), 4), "n": len(allv)}
+
+
 # ---- drafter acceptance ----------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem.demo.corpus import TRAIN_SEED, make_example
+from tandem.demo.corpus import TRAIN_SEED, Mix, make_example
 from tandem.demo.dspark import DSparkDrafter
 from tandem.demo.modeling import CausalLM, hf_config
 from tandem.demo import text
@@ -47,21 +47,22 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_experts=4, moe_intermediate
 # ---- data ------------------------------------------------------------------------------------
 
 
-def _encode_range(args: tuple[str, int, int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
-    tok_json, seed, start, n = args
+def _encode_range(args: tuple[str, int, int, int, Mix]) -> list[tuple[np.ndarray, np.ndarray]]:
+    tok_json, seed, start, n, mix = args
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(tok_json)
     out = []
     for i in range(start, start + n):
-        ids, mask = text.encode_example(tok, make_example(seed, i))
+        ids, mask = text.encode_example(tok, make_example(seed, i, mix=mix))
         out.append((np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)))
     return out
 
 
-def build_data(tok_json: str, seed: int, n: int, workers: int, offset: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+def build_data(tok_json: str, seed: int, n: int, workers: int, offset: int = 0,
+               mix: Mix | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     chunk = 2000
-    jobs = [(tok_json, seed, offset + s, min(chunk, n - s)) for s in range(0, n, chunk)]
+    jobs = [(tok_json, seed, offset + s, min(chunk, n - s), mix or Mix()) for s in range(0, n, chunk)]
     if workers <= 1:
         return [x for j in jobs for x in _encode_range(j)]
     with mp.get_context("fork").Pool(workers) as pool:
@@ -107,6 +108,8 @@ def _batches_forever(batches: list[list[int]]):
 
 
 def _loop(name: str, params, budget_s: float, peak_lr: float, step_fn, batches, log: list) -> None:
+    """Train for `budget_s` seconds. `step_fn(batch) -> (loss, info)`; info values may be tensors:
+    they are read (one host sync) only on logged steps, so the GPU is not stalled every step."""
     opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.05, fused=torch.cuda.is_available())
     t0, step, it = time.time(), 0, _batches_forever(batches)
     while True:
@@ -121,8 +124,9 @@ def _loop(name: str, params, budget_s: float, peak_lr: float, step_fn, batches, 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        if step % 50 == 0 or step == 1:
-            rec = {"stage": name, "step": step, "t": round(time.time() - t0, 1), "loss": round(loss.item(), 4), **info}
+        if step % 100 == 0 or step == 1:
+            vals = {k: round(float(v), 4) for k, v in info.items()}
+            rec = {"stage": name, "step": step, "t": round(time.time() - t0, 1), "loss": round(loss.item(), 4), **vals}
             log.append(rec)
             print(json.dumps(rec), flush=True)
     log.append({"stage": name, "steps": step, "seconds": round(time.time() - t0, 1)})
@@ -148,7 +152,7 @@ def train_target(cfg: dict, data: list, batches: list, pad: int, budget_s: float
         ce = F.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none")
         loss = (ce * mask.flatten()).sum() / mask.sum().clamp(min=1)
         aux = model.aux_loss()
-        return loss + 0.01 * aux, {"ce": round(loss.item(), 4), "aux": round(float(aux.detach()), 3)}
+        return loss + 0.01 * aux, {"ce": loss.detach(), "aux": aux.detach()}
 
     _loop("target", [p for p in model.parameters()], budget_s, peak_lr, step, batches, log)
     return model.eval()
@@ -178,8 +182,8 @@ def train_draft(cfg: dict, target: CausalLM, data: list, batches: list, pad: int
         kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(t_logits, -1), log_target=True, reduction="none").sum(-1)
         ce = F.cross_entropy(logits, t_logits.argmax(-1), reduction="none")
         loss = ((0.5 * kl + 0.5 * ce) * m).sum() / m.sum().clamp(min=1)
-        agree = (((logits.argmax(-1) == t_logits.argmax(-1)).float() * m).sum() / m.sum().clamp(min=1)).item()
-        return loss, {"agree": round(agree, 3)}
+        agree = ((logits.argmax(-1) == t_logits.argmax(-1)).float() * m).sum() / m.sum().clamp(min=1)
+        return loss, {"agree": agree.detach()}
 
     _loop("draft", list(draft.parameters()), budget_s, 2e-3, step, batches, log)
     return draft.eval()
@@ -230,8 +234,8 @@ def train_dspark(cfg: dict, target: CausalLM, data: list, batches: list, pad: in
         hit = (logits.argmax(-1) == labels).float()
         conf = drafter.confidence(z)
         bce = (F.binary_cross_entropy(conf.clamp(1e-5, 1 - 1e-5), hit, reduction="none") * vm).sum() / vm.sum().clamp(min=1)
-        acc1 = ((hit[:, 0] * vm[:, 0]).sum() / vm[:, 0].sum().clamp(min=1)).item()
-        return loss + 0.1 * bce, {"acc_pos1": round(acc1, 3), "bce": round(bce.item(), 3)}
+        acc1 = (hit[:, 0] * vm[:, 0]).sum() / vm[:, 0].sum().clamp(min=1)
+        return loss + 0.1 * bce, {"acc_pos1": acc1.detach(), "bce": bce.detach()}
 
     for p in target.parameters():
         p.requires_grad_(False)
@@ -298,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--n-train", type=int, default=400_000, help="corpus examples (seed TRAIN_SEED)")
     ap.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
-    ap.add_argument("--batch-tokens", type=int, default=65536)
+    ap.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per step")
     ap.add_argument("--target-s", type=float, default=270)
     ap.add_argument("--draft-s", type=float, default=50)
     ap.add_argument("--dspark-s", type=float, default=60)
@@ -307,6 +311,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init", help="continue training the target saved in this directory (weights only; "
                                    "fresh optimizer with warm-up), e.g. to train over several device calls")
     ap.add_argument("--target-lr", type=float, default=2e-3)
+    ap.add_argument("--quick-eval", type=int, default=16, metavar="N",
+                    help="after the target stage, greedy accuracy on N held-out examples per family "
+                         "(training-side model, no engine; 0 = skip)")
+    ap.add_argument("--mix", default=None, metavar="FAMILY=W,...",
+                    help="override family weights of the corpus (default: tandem.demo.corpus.WEIGHTS)")
+    ap.add_argument("--lookup-long", type=float, default=None, metavar="SHARE",
+                    help="share of lookup examples with long haystacks (default: corpus.LOOKUP_LONG_SHARE)")
     ap.add_argument("--data-offset", type=int, default=0, help="first corpus index (continue on fresh data)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -317,13 +328,20 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     log: list[dict[str, Any]] = []
     t0 = time.time()
+    if args.tokenizer is None and args.init:
+        args.tokenizer = str(Path(args.init) / "tokenizer.json")  # continue with the init's own ids
     tok_json = Path(args.tokenizer).read_text() if args.tokenizer else text.train_tokenizer()
     special = text.special_ids(tok_json)
     vocab = -(-(max(special.values()) + 1) // 64) * 64
-    data = build_data(tok_json, TRAIN_SEED, args.n_train, args.workers, args.data_offset)
+    try:
+        mix = Mix.parse(args.mix, args.lookup_long)
+    except ValueError as e:
+        ap.error(str(e))
+    data = build_data(tok_json, TRAIN_SEED, args.n_train, args.workers, args.data_offset, mix)
     n_tok = int(sum(len(a) for a, _ in data))
     n_loss = int(sum(int(m.sum()) for _, m in data))
-    log.append({"stage": "data", "examples": len(data), "tokens": n_tok, "loss_tokens": n_loss,
+    log.append({"stage": "data", "mix": dict(mix.weights), "lookup_long_share": mix.lookup_long_share,
+                "offset": args.data_offset, "examples": len(data), "tokens": n_tok, "loss_tokens": n_loss,
                 "seconds": round(time.time() - t0, 1)})
     print(json.dumps(log[-1]), flush=True)
     batches = make_batches(data, args.batch_tokens, 0)
@@ -341,18 +359,49 @@ def main(argv: list[str] | None = None) -> None:
 
         init = load_causal_lm(args.init)
         tcfg = {k: init.cfg[k] for k in tcfg}
-    target = train_target(tcfg, data, batches, pad, args.target_s, device, log, init, args.target_lr)
-    save_hf(target, out, tok_json)
-    draft = train_draft(dcfg, target, data, batches, pad, args.draft_s, device, log)
-    save_hf(draft, out / "draft", tok_json)
-    drafter = train_dspark(scfg, target, data, batches, pad, args.dspark_s, device, log)
-    save_dspark(drafter, out / "dspark", special)
-    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in
-                (("target", target), ("draft", draft), ("dspark", drafter))}
+    def write_log() -> None:
+        (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+
+    models: dict[str, torch.nn.Module] = {}
+    if args.target_s > 0:
+        target = train_target(tcfg, data, batches, pad, args.target_s, device, log, init, args.target_lr)
+        save_hf(target, out, tok_json)
+    elif init is not None:  # drafters only, against the given target
+        target = init.to(device).eval()
+        save_hf(target, out, tok_json)
+    else:
+        raise SystemExit("--target-s 0 needs --init (the target the drafters learn from)")
+    models["target"] = target
+    if args.quick_eval > 0:
+        log.append({"stage": "quick_eval", **quick_eval(target, tok_json, args.quick_eval, device)})
+        print(json.dumps(log[-1]), flush=True)
+    write_log()
+    if args.draft_s > 0:
+        models["draft"] = train_draft(dcfg, target, data, batches, pad, args.draft_s, device, log)
+        save_hf(models["draft"], out / "draft", tok_json)
+        write_log()
+    if args.dspark_s > 0:
+        models["dspark"] = train_dspark(scfg, target, data, batches, pad, args.dspark_s, device, log)
+        save_dspark(models["dspark"], out / "dspark", special)
+    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     log.append({"stage": "done", "params": n_params, "seconds": round(time.time() - t0, 1),
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"})
     print(json.dumps(log[-1]), flush=True)
-    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    write_log()
+
+
+def quick_eval(target: CausalLM, tok_json: str, n: int, device: torch.device) -> dict[str, Any]:
+    """Greedy accuracy on `n` held-out examples of each family (lookup: short haystacks only)."""
+    from tokenizers import Tokenizer
+
+    from tandem.demo.corpus import EVAL_SEED, FAMILIES
+    from tandem.demo.eval import quick_accuracy
+
+    t0 = time.time()
+    exs = [make_example(EVAL_SEED, i, fam) for fam in FAMILIES for i in range(n)]
+    exs = [ex for ex in exs if ex.family != "lookup" or ex.meta["n_lines"] <= 120]
+    rep = quick_accuracy(target, Tokenizer.from_str(tok_json), exs, device)
+    return {**rep, "seconds": round(time.time() - t0, 1)}
 
 
 if __name__ == "__main__":
