@@ -77,7 +77,7 @@ def generate_and_check(llm, tok, examples: list[Example], max_tokens: int = 768)
     results = []
     second: list[tuple[int, list[int]]] = []
     for i, (ex, p, o) in enumerate(zip(examples, prompts, outs)):
-        gen = list(o.token_ids[len(p):]) if len(o.token_ids) > len(p) else list(o.token_ids)
+        gen = list(o.token_ids)  # Completion.token_ids holds the generated tokens only
         r = {"family": ex.family, "prompt_ids": p, "output_ids": gen, "text": _decode(tok, gen),
              "thinking": ex.enable_thinking, "meta": ex.meta}
         if ex.family == "tool":
@@ -100,7 +100,7 @@ def generate_and_check(llm, tok, examples: list[Example], max_tokens: int = 768)
     if second:
         outs2 = llm.generate([ids for _, ids in second], sp)
         for (i, ids), o in zip(second, outs2):
-            gen = list(o.token_ids[len(ids):]) if len(o.token_ids) > len(ids) else list(o.token_ids)
+            gen = list(o.token_ids)
             results[i]["text2"] = _decode(tok, gen)
             results[i]["ok"] = check(examples[i], results[i]["text2"])
     return results
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-memory", default="8GiB")
     ap.add_argument("--max-tokens", type=int, default=768)
     ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--skip-acceptance", action="store_true", help="accuracy only (no drafter measurement)")
     ap.add_argument("--teacher-forced-only", action="store_true",
                     help="skip generation: acceptance on held-out corpus chats, labels = the target's argmax")
     args = ap.parse_args(argv)
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(report), flush=True)
     lengths = tuple(int(x) for x in args.lookup_lengths.split(","))
     lk = lookup_examples(tok, lengths=lengths, n=args.lookup_n)
-    lres = generate_and_check(llm, tok, lk, max_tokens=64)
+    lres = generate_and_check(llm, tok, lk, max_tokens=64) if lk else []
     grid = {}
     for ex, r in zip(lk, lres):
         key = f"{ex.meta['target_tokens']}@{ex.meta['target_depth']}"
@@ -334,10 +335,12 @@ def main(argv: list[str] | None = None) -> None:
     target = load_causal_lm(d, args.device)
     draft = load_causal_lm(d / "draft", args.device) if (d / "draft").is_dir() else None
     drafter = load_dspark(d / "dspark", args.device) if (d / "dspark").is_dir() else None
-    report["acceptance"] = acceptance(target, draft, drafter, output_sequences(res, special), device=args.device)
+    report["acceptance"] = {} if args.skip_acceptance else acceptance(target, draft, drafter, output_sequences(res, special), device=args.device)
     report["seconds"] = round(time.time() - t0, 1)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    samples = [{k: r[k] for k in ("family", "ok", "text") if k in r} for r in res[:: max(1, args.n // 3)]]
+    # Every held-out answer, with its corpus index (make_example(EVAL_SEED, index, family)).
+    samples = [{"index": i % args.n, **{k: r[k] for k in ("family", "ok", "text", "text2") if k in r}}
+               for i, r in enumerate(res)]
     Path(args.out).with_suffix(".samples.json").write_text(json.dumps(samples, indent=1) + "\n")
     print(json.dumps(report["acceptance"]), flush=True)
 
