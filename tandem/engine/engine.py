@@ -97,8 +97,9 @@ class LLMEngine:
             from tandem.kernels.moe_grouped import install_moe_executor
 
             install_moe_executor(self.model, rc.moe_executor)
-        logger.info("Kernels: attention %s, MoE %s, fused small ops %s", rc.attention_backend, rc.moe_executor,
-                    "on" if rc.fused_ops else "off")
+        on_cuda = self.device.type == "cuda"
+        fused = ("on" if on_cuda else "n/a (CPU runs the torch layers)") if rc.fused_ops else "off"
+        logger.info("Kernels: attention %s, MoE %s, fused small ops %s", rc.attention_backend, rc.moe_executor, fused)
 
     def _capture_graphs(self) -> None:
         rc = self.runner_config
