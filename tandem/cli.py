@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tandem", description="Serve Mixture-of-Experts LLMs behind an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    s.add_argument("model", nargs="?", default=None, help="HF-format model directory (default: the built-in tiny model)")
+    s.add_argument("model", nargs="?", default=None,
+                   help="HF-format model directory, or a shipped model by name: tandem-demo (the default: the trained "
+                        "demo model) or tandem-builtin (tiny, random weights)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model name clients send (default: from the model)")
@@ -92,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds running requests may finish after SIGINT/SIGTERM")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p = sub.add_parser("plan", help="print where weights and KV cache go, and whether it fits, without loading")
-    p.add_argument("model", nargs="?", default=None, help="HF-format model directory (default: the built-in model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF-format model directory, tandem-demo (default) or tandem-builtin")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     p.add_argument("--gpu-memory", default=None, help="plan for a GPU of this size, e.g. 24GiB (default: this GPU)")
@@ -113,8 +116,8 @@ def plan(args: argparse.Namespace) -> int:
 
     # --gpu-memory plans for a GPU that need not be here, so it implies CUDA.
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and args.gpu_memory) else resolve_device(args.device)
-    model_dir = args.model
-    if model_dir is None:
+    shipped, model_dir = shipped_model(args.model)
+    if shipped == "builtin":
         from tandem.builtin import ensure_builtin_model
 
         model_dir = str(ensure_builtin_model())
@@ -303,15 +306,33 @@ async def _until_exit_requested(server: Any, serving: asyncio.Task) -> None:
         await asyncio.sleep(0.1)
 
 
-def serve(args: argparse.Namespace) -> int:
-    builtin = args.model is None
-    if builtin:
-        from tandem.builtin import BUILTIN_NAME
+def shipped_model(model: str | None) -> tuple[str | None, str | None]:
+    """Resolve the MODEL argument: ("demo", its directory), ("builtin", None: generated when the
+    engine loads) or (None, the directory given). A directory of the same name wins over a name."""
+    from tandem.builtin import BUILTIN_NAME, DEMO_NAME, demo_model_dir
 
-        args.served_model_name = args.served_model_name or BUILTIN_NAME
+    name = model or DEMO_NAME
+    if name in (BUILTIN_NAME, DEMO_NAME) and not Path(name).is_dir():
+        if name == BUILTIN_NAME:
+            return "builtin", None
+        try:
+            return "demo", str(demo_model_dir())
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+    if not Path(name).is_dir():
+        raise ValueError(f"model directory {name!r} does not exist (shipped models: {DEMO_NAME}, {BUILTIN_NAME})")
+    return None, name
+
+
+def serve(args: argparse.Namespace) -> int:
+    from tandem.builtin import BUILTIN_NAME, DEMO_NAME
+
+    shipped, model_dir = shipped_model(args.model)
+    builtin = shipped == "builtin"
+    if shipped is not None:  # the shipped models are Qwen3-style reasoning models
+        args.served_model_name = args.served_model_name or (BUILTIN_NAME if builtin else DEMO_NAME)
         args.reasoning_parser = args.reasoning_parser or BUILTIN_REASONING_PARSER
-    elif not Path(args.model).is_dir():
-        raise ValueError(f"model directory {args.model!r} does not exist")
+    args.model = model_dir
     if args.chat_template:  # a missing file or a syntax error is a flag error: report it before loading
         from tandem.server.chat_template import ChatTemplate, resolve_template_source
 

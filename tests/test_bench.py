@@ -195,7 +195,7 @@ def _free_port() -> int:
 
 def _start_server(*extra: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--max-model-len", "2048",
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "tandem-builtin", "--port", str(port), "--max-model-len", "2048",
            "--kv-cache-memory", "256MiB", "--device", "cpu", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

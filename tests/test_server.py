@@ -526,7 +526,7 @@ def test_cli_serves_builtin_and_exits_0_on_sigterm(tmp_path, model_dir) -> None:
         port = s.getsockname()[1]
     env = {**os.environ, "TANDEM_CACHE_DIR": str(model_dir.parent)}  # reuse the generated model
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--kv-cache-memory", "16MiB",
+        [sys.executable, "-m", "tandem.cli", "serve", "tandem-builtin", "--port", str(port), "--kv-cache-memory", "16MiB",
          "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
