@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -23,6 +21,7 @@ from tandem.bench.needle import haystack_prompt, make_needle, plant, score
 from tandem.bench.ngram import propose, simulate, simulate_many
 from tandem.bench.stats import percentile, summarize
 from tandem.bench.tools.pptg import Case, parse_tests
+from serve_proc import free_port, start_serve
 
 # ---- needle scoring ------------------------------------------------------------------------------
 
@@ -187,30 +186,8 @@ def test_fit_to_length_with_an_exact_counter():
 # ---- end to end against a real server ------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "tandem-builtin", "--port", str(port), "--max-model-len", "2048",
-           "--kv-cache-memory", "256MiB", "--device", "cpu", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tandem serve exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    _stop(proc)
-    raise RuntimeError("tandem serve did not become healthy in 180 s")
+    return start_serve("tandem-builtin", "--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--device", "cpu", *extra)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -422,9 +399,9 @@ def test_main_cli_can_mount_bench():
 
 
 def test_bracket_with_launch_commands(capsys, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = f"{sys.executable} -m tandem.cli serve --port {port} --max-model-len 512 --kv-cache-memory 64MiB --device cpu"
+    serve = f"{sys.executable} -m tandem.cli serve tandem-builtin --port {port} --max-model-len 512 --kv-cache-memory 64MiB --device cpu"
     ledger = tmp_path / "launch.jsonl"
     rc, text, err = _bench(capsys, "bracket", "--url", url, "--base-cmd", serve, "--cand-cmd", serve + " --max-num-seqs 8",
                            "--ledger", str(ledger), "--quiet", "--", "--runs", "1", "--max-tokens", "8", "--endpoint", "completions")

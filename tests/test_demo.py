@@ -178,30 +178,13 @@ def test_shipped_target_answers_held_out_prompts():
 
 def test_tandem_serve_without_a_model_serves_the_demo_with_reasoning():
     """`tandem serve` with no model: the trained demo, named tandem-demo, qwen3 reasoning parsing on."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--device", "cpu",
-         "--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
+    from serve_proc import start_serve
+
+    proc, url = start_serve("--device", "cpu", "--kv-cache-memory", "64MiB", "--max-model-len", "2048",
+                            "--log-level", "warning")
     try:
-        url, deadline, status = f"http://127.0.0.1:{port}", time.monotonic() + 120, None
-        while status != 200:
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not become healthy"
-            try:
-                status = httpx.get(f"{url}/health", timeout=2).status_code
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tandem-demo"
         ex = make_example(EVAL_SEED, SERVED_EXAMPLE[1], SERVED_EXAMPLE[0])
         body = {"model": "tandem-demo", "messages": ex.prompt_messages(), "max_tokens": 400, "temperature": 0}

@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ from tandem.server.chat_template import ChatRenderError, ChatTemplate, ChatTempl
 from tandem.server.protocol import ChatCompletionRequest
 from tandem.server.reasoning import Qwen3ReasoningParser, get_reasoning_parser
 from tandem.tokenizer import Tokenizer
+from serve_proc import start_serve
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -521,25 +520,10 @@ def test_cli_bad_flags_exit_2(capsys) -> None:
 
 
 def test_cli_serves_builtin_and_exits_0_on_sigterm(tmp_path, model_dir) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "TANDEM_CACHE_DIR": str(model_dir.parent)}  # reuse the generated model
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "tandem-builtin", "--port", str(port), "--kv-cache-memory", "16MiB",
-         "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
+    proc, url = start_serve("tandem-builtin", "--kv-cache-memory", "16MiB", "--max-model-len", str(MAX_MODEL_LEN),
+                            "--log-level", "warning", env=env, timeout=60)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline, status = time.monotonic() + 60, None
-        while status != 200:
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not become healthy"
-            try:
-                status = httpx.get(f"{url}/health", timeout=2).status_code
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tandem-builtin"
         chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 3}, timeout=30).json()
         assert "reasoning_content" in chat["choices"][0]["message"]  # qwen3 parser on by default
