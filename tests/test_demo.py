@@ -194,3 +194,32 @@ def test_tandem_serve_without_a_model_serves_the_demo_with_reasoning():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_training_script_writes_models_tandem_loads(tmp_path):
+    """`python -m tandem.demo.train` end to end at tiny size on CPU, then continued with --init: the
+    saved target serves through Tandem, the drafters load, the log names each stage and the mix."""
+    from tandem import LLM, SamplingParams
+    from tandem.demo.eval import load_causal_lm, load_dspark
+    from tandem.demo.train import main
+
+    common = ["--tiny", "--device", "cpu", "--n-train", "40", "--workers", "1", "--quick-eval", "0",
+              "--mix", "python=1,arithmetic=1,sort=0,count=0,units=0,json=0,lookup=0,tool=0"]
+    first, second = tmp_path / "a", tmp_path / "b"
+    main(["--out", str(first), "--tokenizer", str(DEMO_DIR / "tokenizer.json"), "--target-s", "1",
+          "--draft-s", "1", "--dspark-s", "1", *common])
+    log = json.loads((first / "train_log.json").read_text())
+    assert [r["stage"] for r in log if "steps" in r] == ["target", "draft", "dspark"]
+    assert log[0]["mix"]["sort"] == 0 and log[0]["mix"]["python"] == 1 and log[0]["examples"] == 40
+    out = LLM(str(first), device="cpu", kv_cache_memory="16MiB").generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    assert load_causal_lm(first / "draft").cfg["model_type"] == "qwen3"
+    drafter = load_dspark(first / "dspark")
+    assert drafter.cfg["target_hidden_size"] == load_causal_lm(first).cfg["hidden_size"]
+
+    main(["--out", str(second), "--init", str(first), "--target-s", "1", "--draft-s", "0", "--dspark-s", "0", *common])
+    log2 = json.loads((second / "train_log.json").read_text())
+    assert [r["stage"] for r in log2 if "steps" in r] == ["target"]
+    assert (second / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()  # the init's ids
+    assert not (second / "draft").exists() and not (second / "dspark").exists()

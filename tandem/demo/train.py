@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="share of lookup examples with long haystacks (default: corpus.LOOKUP_LONG_SHARE)")
     ap.add_argument("--data-offset", type=int, default=0, help="first corpus index (continue on fresh data)")
     args = ap.parse_args(argv)
+    if args.target_s <= 0 and not args.init:
+        ap.error("--target-s 0 needs --init (the target the drafters learn from)")
     torch.manual_seed(0)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -359,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
 
         init = load_causal_lm(args.init)
         tcfg = {k: init.cfg[k] for k in tcfg}
+
     def write_log() -> None:
         (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
@@ -366,11 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.target_s > 0:
         target = train_target(tcfg, data, batches, pad, args.target_s, device, log, init, args.target_lr)
         save_hf(target, out, tok_json)
-    elif init is not None:  # drafters only, against the given target
+    else:  # drafters only, against the given target (--init is required then, checked above)
         target = init.to(device).eval()
         save_hf(target, out, tok_json)
-    else:
-        raise SystemExit("--target-s 0 needs --init (the target the drafters learn from)")
     models["target"] = target
     if args.quick_eval > 0:
         log.append({"stage": "quick_eval", **quick_eval(target, tok_json, args.quick_eval, device)})
