@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interp import (check_interpreted, interpret_without_cuda, interpreted_language, numpy24_scalar_index,
-                           skip_interpreter_test_on_cuda)
+from triton_interp import (check_interpreted, interpret_without_cuda, interpreted_language,  # noqa: F401
+                           kernel_test_setup, numpy24_scalar_index)  # kernel_test_setup: an autouse fixture
 
 interpret_without_cuda()  # before anything imports Triton
 
@@ -26,19 +26,6 @@ from tiny_models import save_tiny_model  # noqa: E402
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 gpu = [pytest.mark.gpu, needs_cuda]
 ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def interpreter_tests_only_without_cuda(request):
-    skip_interpreter_test_on_cuda(request.node)
-
-
-@pytest.fixture(autouse=True)
-def fused_switch_on():
-    """These tests exercise the fused kernels (on by default; pinned on here so
-    a test that turns them off cannot leak)."""
-    with fused_module.fused_ops(True):
-        yield
 
 
 @pytest.fixture(scope="module")

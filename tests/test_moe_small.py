@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 from moe_refs import dense_reference, make_experts, rel_err  # noqa: E402
 from tandem.kernels.fused import fused_ops  # noqa: E402
-from triton_interp import numpy24_scalar_index, skip_interpreter_test_on_cuda  # noqa: E402
+from triton_interp import kernel_test_setup, numpy24_scalar_index  # noqa: E402, F401 (autouse fixture)
 from tandem.kernels.moe_grouped import GroupedMoEExecutor  # noqa: E402
 from tandem.models.layers.moe import SparseMoeBlock, make_moe_executor  # noqa: E402
 
@@ -31,19 +31,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _interpreted(fn: object) -> bool:
     return type(fn).__name__ == "InterpretedFunction"
-
-
-@pytest.fixture(autouse=True)
-def interpreter_tests_only_without_cuda(request):
-    skip_interpreter_test_on_cuda(request.node)
-
-
-@pytest.fixture(autouse=True)
-def fused_switch_on():
-    """These tests exercise the fused kernels (on by default; pinned on here so
-    a test that turns them off cannot leak)."""
-    with fused_ops(True):
-        yield
 
 
 @pytest.fixture(scope="module")

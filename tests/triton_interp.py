@@ -11,6 +11,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
+import pytest
 import torch
 
 
@@ -20,14 +21,18 @@ def interpret_without_cuda() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def skip_interpreter_test_on_cuda(node) -> None:
-    """For an autouse fixture: a test not marked `gpu` hands CPU tensors to the kernels, which only
-    works through the interpreter, and that is switched on only without CUDA; on a CUDA machine the
-    `gpu`-marked tests cover the same kernels on the device."""
-    import pytest
-
-    if torch.cuda.is_available() and node.get_closest_marker("gpu") is None:
+@pytest.fixture(autouse=True)
+def kernel_test_setup(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Autouse in the kernel test modules that import it. A test not marked `gpu` hands CPU tensors
+    to the kernels, which only works through the interpreter, and that is switched on only without
+    CUDA: on a CUDA machine it skips (the `gpu`-marked tests cover the same kernels on the device).
+    The fused switch is pinned on (it is the default), so a test that turns it off cannot leak."""
+    if torch.cuda.is_available() and request.node.get_closest_marker("gpu") is None:
         pytest.skip("Triton-interpreter test on CPU tensors; the gpu-marked tests cover CUDA")
+    from tandem.kernels.fused import fused_ops  # imports no Triton
+
+    with fused_ops(True):
+        yield
 
 
 def check_interpreted(kernel: object) -> None:
