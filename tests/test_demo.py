@@ -223,3 +223,19 @@ def test_training_script_writes_models_tandem_loads(tmp_path):
     assert [r["stage"] for r in log2 if "steps" in r] == ["target"]
     assert (second / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()  # the init's ids
     assert not (second / "draft").exists() and not (second / "dspark").exists()
+
+
+def test_quick_accuracy_agrees_with_the_engine():
+    """The training script's cache-free greedy check decodes what Tandem's engine decodes."""
+    from tandem import LLM, SamplingParams
+    from tandem.demo.eval import load_causal_lm, quick_accuracy
+
+    tk = text.load_tokenizer(DEMO_DIR / "tokenizer.json")
+    exs = [make_example(EVAL_SEED, i, fam) for fam, i in (("python", 0), ("units", 1), ("units", 0))]
+    prompts = [tk.encode(text.render_prompt(ex), add_special_tokens=False).ids for ex in exs]
+    outs = LLM(str(DEMO_DIR), kv_cache_memory="256MiB", device="cpu", dtype="float32").generate(
+        prompts, SamplingParams(max_tokens=120, temperature=0))
+    want = [check(ex, tk.decode(o.token_ids, skip_special_tokens=False)) for ex, o in zip(exs, outs)]
+    rep = quick_accuracy(load_causal_lm(DEMO_DIR), tk, exs, "cpu", max_new=120, batch=2)
+    assert rep["n"] == 3 and rep["by_family"]["python"] == float(want[0])
+    assert rep["by_family"]["units"] == (want[1] + want[2]) / 2

@@ -134,25 +134,28 @@ def quick_accuracy(model: CausalLM, tok, examples: list[Example], device: str | 
         exs = examples[s:s + batch]
         rows = [tok.encode(text.render_prompt(ex), add_special_tokens=False).ids for ex in exs]
         n0 = [len(r) for r in rows]
-        done = [False] * len(rows)
-        for _ in range(max_new):
-            L = max(len(r) for r in rows)
-            ids = torch.full((len(rows), L), pad, dtype=torch.long)
-            for i, r in enumerate(rows):
-                ids[i, :len(r)] = torch.tensor(r)
-            ids = ids.to(device)
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=torch.device(device).type == "cuda"):
-                h = model(ids, logits=False)[1][-1]
-            last = torch.tensor([len(r) - 1 for r in rows], device=ids.device)
-            nxt = model.head(h[torch.arange(len(rows), device=ids.device), last]).argmax(-1).tolist()
-            for i, t in enumerate(nxt):
-                if not done[i]:
-                    rows[i].append(t)
-                    done[i] = t == end
-            if all(done):
+        # One device buffer for the batch: each step writes every row's next token at its own end
+        # (rows that already ended keep going; what follows their <|im_end|> is cut below).
+        ids = torch.full((len(rows), max(n0) + max_new), pad, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+        ids = ids.to(device)
+        at = torch.arange(len(rows), device=ids.device)
+        ends = torch.tensor(n0, device=ids.device)  # the next free position of each row
+        done = torch.zeros(len(rows), dtype=torch.bool, device=ids.device)
+        for step in range(max_new):
+            with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+                h = model(ids[:, :max(n0) + step], logits=False)[1][-1]
+            nxt = model.head(h[at, ends - 1]).argmax(-1)
+            ids[at, ends] = nxt
+            ends += 1
+            done |= nxt == end
+            if bool(done.all()):
                 break
-        for ex, r, n in zip(exs, rows, n0):
-            out = _decode(tok, r[n:])
+        for ex, r, n, e in zip(exs, ids.tolist(), n0, ends.tolist()):
+            gen = r[n:e]
+            gen = gen[:gen.index(end) + 1] if end in gen else gen
+            out = _decode(tok, gen)
             good = check_tool_call(ex, out) if ex.family == "tool" else check(ex, out)
             ok.setdefault(ex.family, []).append(bool(good))
     fam = {f: round(sum(v) / len(v), 4) for f, v in ok.items()}
