@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 import tandem
 from tandem.server import errors
-from tandem.server.app import state_of
+from tandem.server.app import ServerState, state_of
 from tandem.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -39,6 +39,15 @@ async def parse_body(request: Request, model: type[M]) -> M:
     except ValidationError as e:
         message, param = errors.validation_message(list(e.errors(include_url=False)))
         raise errors.bad_request(message, param) from e
+
+
+async def parse_model_request(request: Request, model: type[M]) -> tuple[ServerState, M]:
+    """The server state and the validated body of a request that names a model. In this order: a
+    bad body raises the 400, an engine not serving the 503, another model's name `unknown_model`."""
+    state = state_of(request)
+    req = await parse_body(request, model)
+    state.check_model(req.model)
+    return state, req
 
 
 def json_response(model: BaseModel, **dump: object) -> Response:
@@ -77,9 +86,7 @@ async def models(request: Request) -> Response:
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> Response:
-    state = state_of(request)
-    req = await parse_body(request, TokenizeRequest)
-    state.check_model(req.model)
+    state, req = await parse_model_request(request, TokenizeRequest)
     engine = state.engine
     if (req.prompt is None) == (req.messages is None):
         raise errors.bad_request("send exactly one of `prompt` or `messages`", "prompt")
@@ -92,9 +99,7 @@ async def tokenize(request: Request) -> Response:
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> Response:
-    state = state_of(request)
-    req = await parse_body(request, DetokenizeRequest)
-    state.check_model(req.model)
+    state, req = await parse_model_request(request, DetokenizeRequest)
     tok = state.engine.tokenizer
     if any(t < 0 or t >= tok.vocab_size for t in req.tokens):
         raise errors.bad_request(f"token ids must be in [0, {tok.vocab_size})", "tokens")

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from tandem.core import RequestOutput, TokenLogprobs
 from tandem.server import errors
-from tandem.server.app import ServerState, state_of
+from tandem.server.app import ServerState
 from tandem.server.errors import APIError
 from tandem.server.generation import (
     ClientDisconnected,
@@ -42,7 +42,7 @@ from tandem.server.protocol import (
     UsageInfo,
 )
 from tandem.server.reasoning import ReasoningParser
-from tandem.server.routes_misc import json_response, parse_body
+from tandem.server.routes_misc import json_response, parse_model_request
 
 router = APIRouter()
 
@@ -127,9 +127,7 @@ def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    state = state_of(request)
-    req = await parse_body(request, CompletionRequest)
-    state.check_model(req.model)
+    state, req = await parse_model_request(request, CompletionRequest)
     engine = state.engine
     check_n(req.n, state.cfg.max_n)
     if req.echo and req.logprobs is not None:
@@ -204,9 +202,7 @@ async def _completion_events(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    state = state_of(request)
-    req = await parse_body(request, ChatCompletionRequest)
-    state.check_model(req.model)
+    state, req = await parse_model_request(request, ChatCompletionRequest)
     engine = state.engine
     check_n(req.n, state.cfg.max_n)
     prompt = state.render_chat(req)
