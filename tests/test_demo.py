@@ -11,7 +11,8 @@ import torch
 
 from tandem.demo import text
 from tandem.demo.checker import check, check_tool_call, example_passes
-from tandem.demo.corpus import EVAL_SEED, FAMILIES, TRAIN_SEED, gen_lookup, make_corpus, make_example
+from tandem.demo.corpus import (EVAL_SEED, FAMILIES, NO_THINK_FAMILIES, TRAIN_SEED, WEIGHTS, gen_lookup, make_corpus,
+                                make_example)
 from tandem.demo.dspark import DSparkDrafter, tensor_shapes
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "tandem" / "assets" / "demo"
@@ -33,15 +34,18 @@ def test_generator_is_deterministic():
     b = [_dump(e) for e in make_corpus(TRAIN_SEED, 300)]
     assert a == b
     assert a != [_dump(e) for e in make_corpus(EVAL_SEED, 300)]
-    assert {e.family for e in make_corpus(TRAIN_SEED, 300)} == set(FAMILIES)
-    assert any(not e.enable_thinking for e in make_corpus(TRAIN_SEED, 300))
+    corpus = make_corpus(TRAIN_SEED, 300)
+    assert {e.family for e in corpus} == set(WEIGHTS) == set(FAMILIES) | {"recall"}
+    assert any(not e.enable_thinking for e in corpus)
+    # Answers without reasoning only where no worked steps are needed.
+    assert {e.family for e in corpus if not e.enable_thinking} == set(NO_THINK_FAMILIES)
 
 
 def test_every_generated_answer_passes_the_checker():
     for seed in (TRAIN_SEED, EVAL_SEED):
         for ex in make_corpus(seed, 1500):
             assert example_passes(ex), (ex.family, ex.messages)
-    for fam in FAMILIES:
+    for fam in WEIGHTS:  # the training-only recall drills too
         for i in range(60):
             assert example_passes(make_example(7, i, fam))
 
@@ -59,6 +63,14 @@ def test_checker_rejects_wrong_answers():
     assert not check_tool_call(tool, "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>")
     srt = make_example(3, 0, "sort")
     assert not check(srt, "[]")
+    drills = set()
+    for i in range(40):  # the recall drills: echo a list, name the next item, look up a short table
+        rec = make_example(3, i, "recall")
+        answer = rec.messages[-1]["content"]
+        assert check(rec, answer) and not check(rec, answer + "0")
+        q = rec.messages[0]["content"]
+        drills.add("table" if "number" in rec.expected else "echo" if q.startswith(("Repeat", "Copy")) else "next")
+    assert drills == {"echo", "next", "table"}
 
 
 def test_lookup_haystack_is_placed_at_depth():
@@ -120,7 +132,8 @@ def test_dspark_weight_format_and_draft_shapes():
 # Held-out prompts (EVAL_SEED) the shipped target answers correctly with greedy decoding through
 # Tandem (CPU, fp32) — a regression check of the shipped weights and of the engine serving them.
 # They are picked from the ones it gets right: its accuracy over all families is in the model card.
-HELD_OUT = [("arithmetic", 0), ("sort", 6), ("count", 3), ("units", 1), ("python", 0), ("tool", 1)]
+HELD_OUT = [("arithmetic", 0), ("sort", 5), ("count", 3), ("units", 1), ("python", 1), ("json", 19), ("lookup", 2),
+            ("tool", 1)]
 SERVED_EXAMPLE = ("arithmetic", 2)
 
 
