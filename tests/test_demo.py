@@ -231,11 +231,53 @@ def test_training_script_writes_models_tandem_loads(tmp_path):
     drafter = load_dspark(first / "dspark")
     assert drafter.cfg["target_hidden_size"] == load_causal_lm(first).cfg["hidden_size"]
 
-    main(["--out", str(second), "--init", str(first), "--target-s", "1", "--draft-s", "0", "--dspark-s", "0", *common])
+    main(["--out", str(second), "--init", str(first), "--target-s", "1", "--draft-s", "0", "--dspark-s", "0",
+          "--reinit-tokens", "names", *common])
     log2 = json.loads((second / "train_log.json").read_text())
     assert [r["stage"] for r in log2 if "steps" in r] == ["target"]
+    init = next(r for r in log2 if r["stage"] == "init")
+    assert init["reinit"] == ["names"] and init["reinit_rows"] == 26 and "names" in init["token_groups_after"]
+    with pytest.raises(SystemExit):  # an unknown group is refused before any data is built
+        main(["--out", str(tmp_path / "c"), "--init", str(first), "--reinit-tokens", "people", *common])
     assert (second / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()  # the init's ids
     assert not (second / "draft").exists() and not (second / "dspark").exists()
+
+
+def test_reinit_token_rows_makes_a_collapsed_group_distinct_again():
+    """The remedy for a word group whose rows collapsed (v1's names): distinct rows again around the
+    shared direction, each row's norm kept, every other row untouched, the same on every call."""
+    from tandem.demo.modeling import CausalLM
+    from tandem.demo.train import group_token_ids, reinit_token_rows, token_group_cosines
+
+    tok_json = (DEMO_DIR / "tokenizer.json").read_text()
+    cfg = dict(model_type="qwen3", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=16, intermediate_size=32, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=4672,
+               tie_word_embeddings=False)
+    ids = group_token_ids(tok_json, "names")
+    assert len(ids) == 26
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = CausalLM(cfg)
+        with torch.no_grad():  # collapse the names onto one direction, as v1's had
+            for w in (m.embed_tokens.weight, m.lm_head.weight):
+                w[ids] = w[ids[0]] + 0.02 * w[ids]
+        models.append(m)
+    m = models[0]
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    assert token_group_cosines(m, tok_json)["names"]["embed"] > 0.95
+    reinit_token_rows(m, ids)
+    reinit_token_rows(models[1], ids)
+    cos = token_group_cosines(m, tok_json)["names"]
+    assert cos["embed"] < 0.7 and cos["head"] < 0.7, cos
+    others = torch.ones(4672, dtype=torch.bool)
+    others[ids] = False
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        w = m.state_dict()[name]
+        assert torch.equal(w[others], before[name][others])
+        assert torch.allclose(w[ids].norm(dim=-1), before[name][ids].norm(dim=-1), rtol=1e-5)
+        assert torch.equal(w, models[1].state_dict()[name])  # seeded
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items() if "embed" not in k and "lm_head" not in k)
 
 
 def test_quick_accuracy_agrees_with_the_engine():

@@ -540,6 +540,11 @@ def gen_recall(rng: random.Random, thinking: bool) -> Example:
                    {"text": answer})
 
 
+# The corpus's closed word lists, by name: the training script watches whether each group's token
+# embeddings stay distinct (`tandem.demo.train.token_group_cosines`).
+VOCAB_GROUPS = {"names": _NAMES, "cities": _CITIES, "words": _WORDS, "adjectives": _ADJ, "nouns": _NOUN}
+
+
 _GENERATORS = {"arithmetic": gen_arithmetic, "sort": gen_sort, "count": gen_count, "units": gen_units,
                "python": gen_python, "json": gen_json, "lookup": gen_lookup, "tool": gen_tool, "recall": gen_recall}
 
