@@ -270,10 +270,10 @@ def _mean_cos(rows: torch.Tensor) -> float:
 
 def token_group_cosines(model: CausalLM, tok_json: str) -> dict[str, dict[str, float]]:
     """Mean pairwise cosine of each word group's input-embedding rows and output (lm_head) rows.
-    Near 1 means the model can no longer tell the group's words apart: v1's 26 names had collapsed
-    to 0.84 (embedding) / 0.93 (lm_head), and it wrote a wrong name in nearly every JSON record
-    even when copying a line it had just written; its cities, which tool calls taught it to copy
-    early, stayed at 0.34 / 0.49."""
+    Near 1 means the model can no longer tell the group's words apart: the demo model v2's 26 names
+    had collapsed to 0.84 (embedding) / 0.93 (lm_head), and it wrote a wrong name in nearly every
+    JSON record even when copying a line it had just written; its cities, which tool calls taught
+    it to copy early, stayed at 0.34 / 0.49."""
     out = {}
     for group in VOCAB_GROUPS:
         ids = group_token_ids(tok_json, group)
@@ -291,10 +291,10 @@ def reinit_token_rows(model: CausalLM, ids: list[int], seed: int = 0) -> None:
     """Give rows `ids` of the input embedding and of lm_head a fresh random offset each around the
     rows' mean, as long as a typical row, each row keeping its norm: the shared direction (what the
     network has learned about the group) stays, and the rows are distinct again (mean pairwise
-    cosine about 0.5 from 0.84-0.93), so attention can
-    match and copy them one by one. Rows a model never learned to tell apart get almost the same
-    gradient (along the hidden state that predicts "some name here"), and weight decay erodes what
-    distinguished them at initialisation, so they do not recover on their own."""
+    cosine about 0.5 from 0.84-0.93), so attention can match and copy them one by one. Rows a model
+    never learned to tell apart get almost the same gradient (along the hidden state that predicts
+    "some name here"), and weight decay erodes what distinguished them at initialisation, so they
+    do not recover on their own (the demo's names stayed collapsed through three runs)."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.tensor(ids, dtype=torch.long)
     mats = [model.embed_tokens.weight] + ([model.lm_head.weight] if model.lm_head is not None else [])
