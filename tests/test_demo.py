@@ -214,6 +214,8 @@ def test_training_script_writes_models_tandem_loads(tmp_path):
     saved target serves through Tandem, the drafters load, the log names each stage and the mix."""
     from tandem import LLM, SamplingParams
     from tandem.demo.eval import load_causal_lm, load_dspark
+    from safetensors.torch import load_file
+
     from tandem.demo.train import main
 
     common = ["--tiny", "--device", "cpu", "--n-train", "40", "--workers", "1", "--quick-eval", "0",
@@ -239,6 +241,20 @@ def test_training_script_writes_models_tandem_loads(tmp_path):
     assert init["reinit"] == ["names"] and init["reinit_rows"] == 26 and "names" in init["token_groups_after"]
     with pytest.raises(SystemExit):  # an unknown group is refused before any data is built
         main(["--out", str(tmp_path / "c"), "--init", str(first), "--reinit-tokens", "people", *common])
+    with pytest.raises(SystemExit):  # so are drafters to continue where there are none
+        main(["--out", str(tmp_path / "c"), "--init", str(second), "--init-drafters", *common])
+
+    # The drafters continued from the first run's: with budgets too small for one step, what is
+    # saved is exactly what was loaded.
+    third = tmp_path / "d"
+    main(["--out", str(third), "--init", str(first), "--init-drafters", "--target-s", "0", "--draft-s", "1e-9",
+          "--dspark-s", "1e-9", *common])
+    log3 = json.loads((third / "train_log.json").read_text())
+    assert {"stage": "init_drafters", "from": str(first)} in log3
+    assert [(r["stage"], r["steps"]) for r in log3 if "steps" in r] == [("draft", 0), ("dspark", 0)]
+    for sub in ("draft", "dspark"):
+        a, b = load_file(str(first / sub / "model.safetensors")), load_file(str(third / sub / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), sub
     assert (second / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()  # the init's ids
     assert not (second / "draft").exists() and not (second / "dspark").exists()
 

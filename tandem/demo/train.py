@@ -173,8 +173,8 @@ def _teacher(target: CausalLM, ids: torch.Tensor, device: torch.device, layers: 
 
 
 def train_draft(cfg: dict, target: CausalLM, data: list, batches: list, pad: int, budget_s: float,
-                device: torch.device, log: list) -> CausalLM:
-    draft = CausalLM(cfg).to(device)
+                device: torch.device, log: list, init: CausalLM | None = None) -> CausalLM:
+    draft = (init or CausalLM(cfg)).to(device)
     draft.train()
 
     def step(idx):
@@ -210,8 +210,8 @@ def dspark_inputs(feats: torch.Tensor, ids: torch.Tensor, greedy: torch.Tensor, 
 
 
 def train_dspark(cfg: dict, target: CausalLM, data: list, batches: list, pad: int, budget_s: float,
-                 device: torch.device, log: list) -> DSparkDrafter:
-    drafter = DSparkDrafter(cfg).to(device)
+                 device: torch.device, log: list, init: DSparkDrafter | None = None) -> DSparkDrafter:
+    drafter = (init or DSparkDrafter(cfg)).to(device)
     drafter.train()
     emb, lm_head, final_norm = target.embed_tokens, target.lm_head.weight.detach(), target.norm
     K = cfg["block_size"]
@@ -383,12 +383,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lookup-long", type=float, default=None, metavar="SHARE",
                     help="share of lookup examples with long haystacks (default: corpus.LOOKUP_LONG_SHARE)")
     ap.add_argument("--data-offset", type=int, default=0, help="first corpus index (continue on fresh data)")
+    ap.add_argument("--init-drafters", action="store_true",
+                    help="with --init: continue the draft model and DSpark drafter saved there (draft/, dspark/) "
+                         "instead of training them from scratch")
     ap.add_argument("--reinit-tokens", default=None, metavar="GROUP,...",
                     help="with --init: give these word groups' token rows fresh distinct values around their mean "
                          f"before training (groups: {', '.join(VOCAB_GROUPS)}); see token_group_cosines")
     args = ap.parse_args(argv)
     if args.target_s <= 0 and not args.init:
         ap.error("--target-s 0 needs --init (the target the drafters learn from)")
+    if args.init_drafters:
+        if not args.init:
+            ap.error("--init-drafters needs --init (the directory whose draft/ and dspark/ to continue)")
+        files = [Path(args.init) / sub / f for sub in ("draft", "dspark") for f in ("config.json", "model.safetensors")]
+        if missing := [str(f) for f in files if not f.is_file()]:
+            ap.error(f"--init-drafters: {args.init} has no trained drafters (missing {', '.join(missing)})")
     groups = [g.strip() for g in (args.reinit_tokens or "").split(",") if g.strip()]
     if groups and not args.init:
         ap.error("--reinit-tokens needs --init (a trained target whose rows have collapsed)")
@@ -440,6 +449,12 @@ def main(argv: list[str] | None = None) -> None:
             rec.update(reinit=groups, reinit_rows=len(ids), token_groups_after=token_group_cosines(init, tok_json))
         log.append(rec)
         print(json.dumps(rec), flush=True)
+    init_draft = init_dspark = None
+    if args.init_drafters:
+        from tandem.demo.eval import load_causal_lm, load_dspark
+
+        init_draft, init_dspark = load_causal_lm(Path(args.init) / "draft"), load_dspark(Path(args.init) / "dspark")
+        log.append({"stage": "init_drafters", "from": args.init})
 
     def write_log() -> None:
         (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
@@ -460,11 +475,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(log[-1]), flush=True)
     write_log()
     if args.draft_s > 0:
-        models["draft"] = train_draft(dcfg, target, data, batches, pad, args.draft_s, device, log)
+        models["draft"] = train_draft(dcfg, target, data, batches, pad, args.draft_s, device, log, init_draft)
         save_hf(models["draft"], out / "draft", tok_json)
         write_log()
     if args.dspark_s > 0:
-        models["dspark"] = train_dspark(scfg, target, data, batches, pad, args.dspark_s, device, log)
+        models["dspark"] = train_dspark(scfg, target, data, batches, pad, args.dspark_s, device, log, init_dspark)
         save_dspark(models["dspark"], out / "dspark", special)
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     log.append({"stage": "done", "params": n_params, "seconds": round(time.time() - t0, 1),
