@@ -5,7 +5,6 @@ shapes only). Triton 3.6 decides interpreter-or-compiler when a kernel is *decor
 `tandem.attention.triton_paged` is imported, so the variable is set here, before that import.
 """
 
-import importlib
 import os
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tandem.attention import get_attention_backend  # noqa: E402
+from triton_interp import interpreted_module  # noqa: E402
 from tandem.engine.metadata import StepMetadata  # noqa: E402
 
 # Small cases run on the interpreter without CUDA and as compiled kernels with it.
@@ -25,26 +25,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(scope="module")
 def triton_paged():
-    mod = importlib.import_module("tandem.attention.triton_paged")
-    if torch.cuda.is_available():
-        yield mod
-        return
-    if type(mod._paged_attention_kernel).__name__ != "InterpretedFunction":
-        mod = importlib.reload(mod)  # imported before TRITON_INTERPRET was set: re-decorate the kernels
-    # Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into loop bounds with
-    # int(array), which numpy >= 2.4 refuses for non-0-d arrays; convert through the element instead
-    # (test-only: the interpreter is only used here).
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_scalar_index(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch_tensor_scalar_index
-    yield mod
-    interpreter._patch_lang_tensor = patch_tensor
+    yield from interpreted_module("tandem.attention.triton_paged", "_paged_attention_kernel")
 
 
 def make_case(q_lens, seq_lens, *, hq, hkv, d, block_size=16, dtype=torch.float32, device="cpu", seed=0,

@@ -9,7 +9,6 @@ printout of the small path against the `_grouped_mm` path.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -21,7 +20,7 @@ if not torch.cuda.is_available():
 
 from moe_refs import dense_reference, make_experts, rel_err  # noqa: E402
 from tandem.kernels.fused import fused_ops  # noqa: E402
-from triton_interp import kernel_test_setup, numpy24_scalar_index  # noqa: E402, F401 (autouse fixture)
+from triton_interp import interpreted_module, kernel_test_setup  # noqa: E402, F401 (autouse fixture)
 from tandem.kernels.moe_grouped import GroupedMoEExecutor  # noqa: E402
 from tandem.models.layers.moe import SparseMoeBlock, make_moe_executor  # noqa: E402
 
@@ -29,29 +28,11 @@ E, K, H, INTER = 8, 2, 64, 32
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _interpreted(fn: object) -> bool:
-    return type(fn).__name__ == "InterpretedFunction"
-
-
 @pytest.fixture(scope="module")
 def moe_small():
-    mod = importlib.import_module("tandem.kernels.moe_small")
-    if torch.cuda.is_available():
-        yield mod
-        return
-    # Triton decides interpreter-or-compiler when a function is decorated: triton.language's own
-    # @jit helpers (tl.zeros, tl.sum, ...) when Triton is first imported, our kernels when moe_small
-    # is. If an earlier test module imported either before TRITON_INTERPRET was set, re-execute the
-    # definitions; module objects stay the same, so every reference sees the new functions.
-    import triton.language as tl
-
-    if not _interpreted(tl.standard.zeros):
-        importlib.reload(tl.standard)
-        importlib.reload(tl)
-    if not _interpreted(mod._gate_up_kernel):
-        mod = importlib.reload(mod)
-    with numpy24_scalar_index():
-        yield mod
+    # Our kernels use triton.language's own @jit helpers (tl.zeros, tl.sum, ...), decorated when
+    # Triton is first imported: both may need re-decorating for the interpreter.
+    yield from interpreted_module("tandem.kernels.moe_small", "_gate_up_kernel", language=True)
 
 
 def routing(mode: str, tokens: int, num=E, k=K, device="cpu", seed=0) -> tuple[torch.Tensor, torch.Tensor]:

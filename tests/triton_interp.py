@@ -7,8 +7,10 @@ before anything imports Triton.
 
 from __future__ import annotations
 
+import importlib
 import os
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Iterator
 
 import pytest
@@ -35,9 +37,13 @@ def kernel_test_setup(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
 
 
+def is_interpreted(fn: object) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
 def check_interpreted(kernel: object) -> None:
     """Fail with the fix when a kernel was decorated for the compiler on a machine without CUDA."""
-    if not torch.cuda.is_available() and type(kernel).__name__ != "InterpretedFunction":
+    if not torch.cuda.is_available() and not is_interpreted(kernel):
         raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set; call "
                            "triton_interp.interpret_without_cuda() before anything imports triton")
 
@@ -87,3 +93,25 @@ def interpreted_language() -> Iterator[None]:
     finally:
         for mod, name, value in reversed(changes):
             setattr(mod, name, value)
+
+
+def interpreted_module(name: str, kernel: str, *, language: bool = False) -> Iterator[ModuleType]:
+    """Body of a module-scoped fixture yielding the kernel module `name`. With CUDA: as imported.
+    Without: if an earlier test module imported it (or, with `language`, Triton itself: `tl.zeros`,
+    `tl.sum`, ...) before TRITON_INTERPRET was set, its definitions are re-executed so that they are
+    decorated for the interpreter (module objects stay the same, so every reference sees the new
+    functions; `kernel` names one to check), and numpy >= 2.4's scalar indexing is patched while open."""
+    mod = importlib.import_module(name)
+    if torch.cuda.is_available():
+        yield mod
+        return
+    if language:
+        import triton.language as tl
+
+        if not is_interpreted(tl.standard.zeros):
+            importlib.reload(tl.standard)
+            importlib.reload(tl)
+    if not is_interpreted(getattr(mod, kernel)):
+        mod = importlib.reload(mod)
+    with numpy24_scalar_index():
+        yield mod
