@@ -63,14 +63,53 @@ def test_checker_rejects_wrong_answers():
     assert not check_tool_call(tool, "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>")
     srt = make_example(3, 0, "sort")
     assert not check(srt, "[]")
-    drills = set()
-    for i in range(40):  # the recall drills: echo a list, name the next item, look up a short table
+    drills, member = set(), []
+    for i in range(80):  # the recall drills: echo, next item, membership, look up a short table
         rec = make_example(3, i, "recall")
         answer = rec.messages[-1]["content"]
         assert check(rec, answer) and not check(rec, answer + "0")
         q = rec.messages[0]["content"]
-        drills.add("table" if "number" in rec.expected else "echo" if q.startswith(("Repeat", "Copy")) else "next")
-    assert drills == {"echo", "next", "table"}
+        kind = ("table" if "number" in rec.expected else "echo" if q.startswith(("Repeat", "Copy"))
+                else "member" if answer in ("yes", "no") else "next")
+        drills.add(kind)
+        if kind == "member":
+            member.append(answer == "yes")
+    assert drills == {"echo", "next", "table", "member"}
+    assert any(member) and not all(member)  # both answers occur
+
+
+def test_copied_items_are_the_same_tokens_where_they_are_read_and_written(tok):
+    """A model this small copies tokens, it does not re-spell them: the letter a count looks for is
+    the same token as the spelled letters it is compared with, and a ticker is split the same way
+    in the question and in the tool call."""
+    letters = tickers = 0
+    for i in range(300):
+        ex = make_example(TRAIN_SEED, i, "count")
+        q, steps = ex.messages[0]["content"], ex.messages[-1]["reasoning_content"].split("\n")
+        if "letter" in q:
+            sought = q.split('letter "')[1][0] if 'letter "' in q else q.split("letter ")[1][0]
+            line = steps[1]
+            assert line.startswith(f"Count the letter {sought}: ")
+            toks = tok.encode(line).tokens
+            colon = toks.index(":")
+            assert toks[colon - 1] == "Ġ" + sought
+            spelled = [t for t in toks[colon + 1:] if t not in ("Ġ->", "Ġ") and not t.isdigit()]
+            assert all(len(t) == 2 and t[0] == "Ġ" for t in spelled), toks  # each letter one Ġ-token
+            assert "".join(t[1] for t in spelled) == q.split('"')[-2].replace(" ", "")
+            letters += 1
+        ex = make_example(TRAIN_SEED, i, "tool")
+        sym = ex.expected["call"]["arguments"].get("symbol")
+        if sym:
+            q_ids = tok.encode(ex.messages[-4]["content"]).ids
+            call_ids = tok.encode(json.dumps(ex.expected["call"]["arguments"])).ids
+            sym_ids = tok.encode(f'"{sym}"').ids[1:-1]
+            assert _contains(q_ids, sym_ids) and _contains(call_ids, sym_ids), sym
+            tickers += 1
+    assert letters > 30 and tickers > 30
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def test_lookup_haystack_is_placed_at_depth():
