@@ -528,10 +528,12 @@ def gen_recall(rng: random.Random, thinking: bool) -> Example:
     it showed no general copying. Short random sequences exercise exactly that: echo a list, say
     which item follows a given one, say whether an item is in a list, look a key up in a table of
     3-16 lines."""
-    mode = rng.choice(["echo", "next", "table", "member"])
+    mode = rng.choice(["echo", "next", "table", "member", "field", "field"])
     if mode == "table":
         ex = gen_lookup(rng, thinking, n_lines=rng.randint(3, 16))
         return Example("recall", ex.messages, ex.expected)
+    if mode == "field":
+        return _recall_field(rng, thinking)
     kinds = ["key", "name", "city", "word", "number", "ticker", "small"]
     kind = rng.choice(kinds + ["mixed"])
     items: list[str] = []
@@ -565,6 +567,33 @@ def gen_recall(rng: random.Random, thinking: bool) -> Example:
         q = _pick(rng, f"{seq}\n\nWhat comes right after {items[i]}?", f"In this list, which item follows {items[i]}?\n{seq}")
         steps = [f"Find {items[i]}, then read the next item: {items[i + 1]}."]
         answer = items[i + 1]
+    return Example("recall", [{"role": "user", "content": q}, _assistant("\n".join(steps), answer, thinking)],
+                   {"text": answer})
+
+
+def _recall_field(rng: random.Random, thinking: bool) -> Example:
+    """Read one value out of JSON records like the json family's: the only field of one record, or
+    the name of the person with a given age (ages differ). v2 and its successor G wrote the right
+    age and city in every JSON record but a wrong name in nearly all (teacher-forced: 9 of 267 name
+    tokens, 248 of 248 cities), even the first record's, whose place is plain: it had never learned
+    to copy a name token. Here the name's place is obvious, so what remains to learn is the copy."""
+    n = rng.choice([1, 1, 2, 3, 4, 5])
+    names = rng.sample(_NAMES, n)
+    ages = rng.sample(range(18, 91), n)
+    recs = [{"name": nm, "age": a, "city": rng.choice(_CITIES)} for nm, a in zip(names, ages)]
+    shown = json.dumps(recs[0] if n == 1 else recs)
+    if n == 1:
+        fld = rng.choice(["name", "name", "age", "city"])
+        q = _pick(rng, f'What is the "{fld}" in this record? {shown}', f'Give the {fld} from {shown}')
+        answer = str(recs[0][fld])
+        # Values quoted as in the record: a bare name after a space is other tokens (` ned` is
+        # `Ġn`+`ed`, `"ned"` has `ned`).
+        steps = [f'The "{fld}" field: {json.dumps(recs[0][fld])}.']
+    else:
+        r = rng.choice(recs)
+        q = _pick(rng, f"Who is {r['age']} years old? {shown}", f"What is the name of the person aged {r['age']}? {shown}")
+        answer = r["name"]
+        steps = [f"The record with age {r['age']}: {json.dumps(r)}.", f'So the name is "{answer}".']
     return Example("recall", [{"role": "user", "content": q}, _assistant("\n".join(steps), answer, thinking)],
                    {"text": answer})
 
