@@ -171,8 +171,9 @@ def test_dspark_weight_format_and_draft_shapes():
 # Held-out prompts (EVAL_SEED) the shipped target answers correctly with greedy decoding through
 # Tandem (CPU, fp32) — a regression check of the shipped weights and of the engine serving them.
 # They are picked from the ones it gets right: its accuracy over all families is in the model card.
-HELD_OUT = [("arithmetic", 0), ("sort", 5), ("count", 3), ("units", 1), ("python", 1), ("json", 19), ("lookup", 2),
-            ("tool", 1)]
+# No JSON prompt: v3 gets 4 of 50 right, all by luck (empty or one-name filter results whose
+# reasoning names the wrong people), so none would check what the test means to.
+HELD_OUT = [("arithmetic", 0), ("sort", 5), ("count", 3), ("units", 1), ("python", 1), ("lookup", 2), ("tool", 1)]
 SERVED_EXAMPLE = ("arithmetic", 2)
 
 

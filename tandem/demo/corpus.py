@@ -575,7 +575,7 @@ def _recall_field(rng: random.Random, thinking: bool) -> Example:
     """Read one value out of JSON records like the json family's: the only field of one record, or
     the name of the person with a given age (ages differ). v2 and its successor G wrote the right
     age and city in every JSON record but a wrong name in nearly all (teacher-forced: 9 of 267 name
-    tokens, 248 of 248 cities), even the first record's, whose place is plain: it had never learned
+    tokens, 148 of 148 cities), even the first record's, whose place is plain: it had never learned
     to copy a name token. Here the name's place is obvious, so what remains to learn is the copy."""
     n = rng.choice([1, 1, 2, 3, 4, 5])
     names = rng.sample(_NAMES, n)
