@@ -229,6 +229,24 @@ def test_shipped_target_answers_held_out_prompts():
         assert ok, (ex.family, answer)
 
 
+def test_probe_counts_copied_tokens_and_measures_what_attention_moves():
+    """`tandem.demo.probe` on the shipped target: it copies every city of the JSON chats and moves a
+    city to the answer position (the names are the open defect the probe exists to watch)."""
+    from tandem.demo import probe
+    from tandem.demo.eval import load_causal_lm
+
+    tok_json = (DEMO_DIR / "tokenizer.json").read_text()
+    tk = text.load_tokenizer(DEMO_DIR / "tokenizer.json")
+    model = load_causal_lm(DEMO_DIR).eval()
+    counts = probe.copied(model, tk, tok_json, n=10)
+    assert counts["name"]["total"] > 20 and counts["city"]["total"] > 10
+    assert counts["city"]["right"] >= 0.9 * counts["city"]["total"]
+    city = probe.moved(model, tk, "city", ["Oslo", "Lima", "Rome", "Cairo", "Paris", "Tokyo"])
+    assert city["values"] == 6 and city["copied"] >= 5
+    assert len(city["moved_by_layer"]) == model.cfg["num_hidden_layers"]
+    assert all(0 <= x <= 1 for x in city["moved_by_layer"]) and max(city["moved_by_layer"]) > 0.05
+
+
 def test_tandem_serve_without_a_model_serves_the_demo_with_reasoning():
     """`tandem serve` with no model: the trained demo, named tandem-demo, qwen3 reasoning parsing on."""
     import httpx
