@@ -64,17 +64,18 @@ def test_checker_rejects_wrong_answers():
     srt = make_example(3, 0, "sort")
     assert not check(srt, "[]")
     drills, member = set(), []
-    for i in range(80):  # the recall drills: echo, next item, membership, a record's field, a short table
+    for i in range(120):  # the recall drills: echo, next, membership, a record's field, name and code tables
         rec = make_example(3, i, "recall")
         answer = rec.messages[-1]["content"]
         assert check(rec, answer) and not check(rec, answer + "0")
         q = rec.messages[0]["content"]
         kind = ("table" if "number" in rec.expected else "echo" if q.startswith(("Repeat", "Copy"))
-                else "member" if answer in ("yes", "no") else "field" if '{"name": ' in q else "next")
+                else "member" if answer in ("yes", "no") else "field" if '{"name": ' in q
+                else "name_table" if q.startswith("Here are people") or "Who is listed" in q else "next")
         drills.add(kind)
         if kind == "member":
             member.append(answer == "yes")
-    assert drills == {"echo", "next", "table", "member", "field"}
+    assert drills == {"echo", "next", "table", "member", "field", "name_table"}
     assert any(member) and not all(member)  # both answers occur
 
 

@@ -528,12 +528,14 @@ def gen_recall(rng: random.Random, thinking: bool) -> Example:
     it showed no general copying. Short random sequences exercise exactly that: echo a list, say
     which item follows a given one, say whether an item is in a list, look a key up in a table of
     3-16 lines."""
-    mode = rng.choice(["echo", "next", "table", "member", "field", "field"])
+    mode = rng.choice(["echo", "next", "table", "member", "field", "field", "name_table"])
     if mode == "table":
         ex = gen_lookup(rng, thinking, n_lines=rng.randint(3, 16))
         return Example("recall", ex.messages, ex.expected)
     if mode == "field":
         return _recall_field(rng, thinking)
+    if mode == "name_table":
+        return _recall_name_table(rng, thinking)
     kinds = ["key", "name", "city", "word", "number", "ticker", "small"]
     kind = rng.choice(kinds + ["mixed"])
     items: list[str] = []
@@ -596,6 +598,27 @@ def _recall_field(rng: random.Random, thinking: bool) -> Example:
         steps = [f"The record with age {r['age']}: {json.dumps(r)}.", f'So the name is "{answer}".']
     return Example("recall", [{"role": "user", "content": q}, _assistant("\n".join(steps), answer, thinking)],
                    {"text": answer})
+
+
+def _recall_name_table(rng: random.Random, thinking: bool) -> Example:
+    """A name read off the line of a given key (a two-digit number or a lookup key): the name comes
+    after what is matched, as a lookup code does. v3's target, fine-tuned on CPU on such tables for
+    100 steps, went from 0 to 39 of 60 right and was still rising, where the name of the person of a
+    given age out of JSON records (the name before the age) stayed at chance (model card, "Names")."""
+    n = rng.randint(3, 10)
+    keys: list[str] = []
+    while len(keys) < n:
+        k = str(rng.randint(10, 99)) if rng.random() < 0.5 else _key(rng)
+        if k not in keys:
+            keys.append(k)
+    names = [rng.choice(_NAMES) for _ in keys]
+    i = rng.randrange(n)
+    table = "\n".join(f'{k}: "{nm}"' for k, nm in zip(keys, names))
+    q = _pick(rng, f"Here are people by code.\n\n{table}\n\nWhich name is next to {keys[i]}?",
+              f"{table}\n\nWho is listed at {keys[i]}?")
+    steps = [f'{keys[i]}: "{names[i]}".']
+    return Example("recall", [{"role": "user", "content": q}, _assistant("\n".join(steps), names[i], thinking)],
+                   {"text": names[i]})
 
 
 # The corpus's closed word lists, by name: the training script watches whether each group's token
