@@ -230,8 +230,8 @@ def gen_count(rng: random.Random, thinking: bool) -> Example:
         letter = rng.choice(text.replace(" ", "")) if rng.random() < 0.85 else rng.choice("abcdefghijklmnopqrstuvwxyz")
         q = _pick(rng, f'How many times does the letter "{letter}" appear in "{text}"?',
                   f'Count the letter {letter} in "{text}".')
-        # The letters are written after the sought one on a single line, all in the same token form
-        # (space + letter), so each test is "is this token the one at the line's start". v2 spelled
+        # The sought letter is restated at the start of the spelled line, in the spelled letters'
+        # token form (space + letter), so each test compares a token with one on its own line. v2 spelled
         # `p u z z l e` after a question that writes the letter as `"z"` (another token) and never
         # marked a hit: 9 of 22 held-out letter counts right.
         marks, c = [], 0
@@ -517,7 +517,7 @@ def _recall_item(rng: random.Random, kind: str) -> str:
         return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.randint(2, 4)))
     if kind == "small":  # the two-digit numbers of the sort family's lists
         return str(rng.randint(0, 99))
-    # Up to 7 digits: v2 dropped a digit from 6 of 18 tool results of that length.
+    # Up to 7 digits: v2 answered 6 of 18 held-out 7-digit tool results wrongly, mostly a digit dropped.
     return str(rng.randint(10, 10 ** rng.randint(3, 7) - 1))
 
 
@@ -526,8 +526,8 @@ def gen_recall(rng: random.Random, thinking: bool) -> Example:
     the measured accuracy). v1 could copy what it had itself written but not a multi-token item out
     of the prompt (a key like amber-camel-41 came back as amber-heron-41 from a 5-line table):
     it showed no general copying. Short random sequences exercise exactly that: echo a list, say
-    which item follows a given one, say whether an item is in a list, look a key up in a table of
-    3-16 lines."""
+    which item follows a given one, say whether an item is in a list, read a field of JSON records,
+    read a name off a table by its key, look a key's code up in a table of 3-16 lines."""
     mode = rng.choice(["echo", "next", "table", "member", "field", "field", "name_table"])
     if mode == "table":
         ex = gen_lookup(rng, thinking, n_lines=rng.randint(3, 16))
@@ -578,7 +578,8 @@ def _recall_field(rng: random.Random, thinking: bool) -> Example:
     the name of the person with a given age (ages differ). v2 and its successor G wrote the right
     age and city in every JSON record but a wrong name in nearly all (teacher-forced: 9 of 267 name
     tokens, 148 of 148 cities), even the first record's, whose place is plain: it had never learned
-    to copy a name token. Here the name's place is obvious, so what remains to learn is the copy."""
+    to copy a name token. Here the name's place is obvious, so what remains to learn is the copy.
+    (Run H trained on these and JSON names stayed wrong; see the model card, "Names".)"""
     n = rng.choice([1, 1, 2, 3, 4, 5])
     names = rng.sample(_NAMES, n)
     ages = rng.sample(range(18, 91), n)
