@@ -457,6 +457,11 @@ TOOLS = [
 _CONDITIONS = ("sunny", "cloudy", "rainy", "windy", "snowy", "foggy")
 
 
+def _ticker(rng: random.Random) -> str:
+    """A stock symbol: 2-4 capital letters."""
+    return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.randint(2, 4)))
+
+
 def gen_tool(rng: random.Random, thinking: bool) -> Example:
     which = rng.choice(["get_weather", "get_stock_price", "get_population"])
     if which == "get_weather":
@@ -468,7 +473,7 @@ def gen_tool(rng: random.Random, thinking: bool) -> Example:
         expect = [str(result["temp_c"]), result["condition"]]
         why2 = f"The tool says {result['temp_c']} degrees and {result['condition']}."
     elif which == "get_stock_price":
-        sym = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.randint(2, 4)))
+        sym = _ticker(rng)
         args = {"symbol": sym}
         result = {"symbol": sym, "price": rng.randint(100, 99999) / 100}
         # Quoted as in the call: the tokenizer splits a bare ticker after a space differently from
@@ -514,7 +519,7 @@ def _recall_item(rng: random.Random, kind: str) -> str:
     if kind == "word":
         return rng.choice(_WORDS)
     if kind == "ticker":
-        return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(rng.randint(2, 4)))
+        return _ticker(rng)
     if kind == "small":  # the two-digit numbers of the sort family's lists
         return str(rng.randint(0, 99))
     # Up to 7 digits: v2 answered 6 of 18 held-out 7-digit tool results wrongly, mostly a digit dropped.
