@@ -2,7 +2,7 @@
 
     python -m tandem.demo.probe tandem/assets/demo
 
-Two measurements on the training-side model (`load_causal_lm`), CPU is enough (~1 min):
+Two measurements on the training-side model (`load_causal_lm`), on CPU (about 6 s):
 
 - **copied**: teacher-forced on held-out JSON chats, how many of the name and city tokens of the
   assistant turns the target predicts (argmax) right.
