@@ -11,8 +11,8 @@ import torch
 
 from tandem.demo import text
 from tandem.demo.checker import check, check_tool_call, example_passes
-from tandem.demo.corpus import (EVAL_SEED, FAMILIES, NO_THINK_FAMILIES, TRAIN_SEED, WEIGHTS, gen_lookup, make_corpus,
-                                make_example)
+from tandem.demo.corpus import (_NAMES, EVAL_SEED, FAMILIES, NO_THINK_FAMILIES, TRAIN_SEED, WEIGHTS, gen_lookup,
+                                make_corpus, make_example)
 from tandem.demo.dspark import DSparkDrafter, tensor_shapes
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "tandem" / "assets" / "demo"
@@ -35,7 +35,7 @@ def test_generator_is_deterministic():
     assert a == b
     assert a != [_dump(e) for e in make_corpus(EVAL_SEED, 300)]
     corpus = make_corpus(TRAIN_SEED, 300)
-    assert {e.family for e in corpus} == set(WEIGHTS) == set(FAMILIES) | {"recall"}
+    assert {e.family for e in corpus} == set(WEIGHTS) == set(FAMILIES) | {"recall", "names"}
     assert any(not e.enable_thinking for e in corpus)
     # Answers without reasoning only where no worked steps are needed.
     assert {e.family for e in corpus if not e.enable_thinking} == set(NO_THINK_FAMILIES)
@@ -77,6 +77,26 @@ def test_checker_rejects_wrong_answers():
             member.append(answer == "yes")
     assert drills == {"echo", "next", "table", "member", "field", "name_table"}
     assert any(member) and not all(member)  # both answers occur
+
+
+def test_name_drills_copy_names_out_of_the_prompt():
+    modes = set()
+    for i in range(80):
+        ex = make_example(3, i, "names")
+        q, answer = ex.messages[0]["content"], ex.messages[-1]["content"]
+        assert ex.family == "names" and check(ex, answer) and not check(ex, answer + "x")
+        shown = [n for n in _NAMES if f'"{n}"' in q]
+        if q.startswith("List every name"):
+            modes.add("list")
+            assert json.loads(answer) == [r["name"] for r in json.loads(q.split(": ", 1)[1])]
+        elif q.startswith(("Copy this list", "Repeat these")):
+            modes.add("copy")
+            assert answer == q.split(": ", 1)[1]
+        else:
+            modes.add("table" if "Here are people" in q or "Who is listed" in q else "record")
+            if answer in _NAMES:
+                assert answer in shown
+    assert modes == {"record", "table", "copy", "list"}
 
 
 def test_copied_items_are_the_same_tokens_where_they_are_read_and_written(tok):

@@ -10,7 +10,8 @@ corrected), so its next token is uncertain; the answer follows from it and is pr
 Task families (`FAMILIES`, the ones accuracy is measured on): arithmetic, sort (sorting /
 de-duplicating lists), count, units, python (small functions from a spec), json (reshaping
 records), lookup (a key in a long haystack), tool (a tool call, its result, then the answer).
-Training also draws `recall`, copy drills that are not a task of their own (`gen_recall`).
+Training also draws `recall` and `names`, copy drills that are not tasks of their own (`gen_recall`,
+`gen_names`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ FAMILIES = ("arithmetic", "sort", "count", "units", "python", "json", "lookup", 
 # tokens, so most of them get short haystacks (LOOKUP_LONG_SHARE); at weight 2.5 they are still
 # about a third of all training tokens.
 WEIGHTS = {"arithmetic": 5, "sort": 5, "count": 4, "units": 2, "python": 1, "json": 5, "lookup": 2.5, "tool": 2,
-           "recall": 4}
+           "recall": 4, "names": 1.5}
 LOOKUP_LONG_SHARE = 0.2
 NO_THINK_SHARE = 0.2  # share of NO_THINK_FAMILIES examples rendered with enable_thinking=false
 # Families whose answer can be given without worked steps (write code from a spec, read a value
@@ -578,14 +579,15 @@ def gen_recall(rng: random.Random, thinking: bool) -> Example:
                    {"text": answer})
 
 
-def _recall_field(rng: random.Random, thinking: bool) -> Example:
+def _recall_field(rng: random.Random, thinking: bool, n: int | None = None) -> Example:
     """Read one value out of JSON records like the json family's: the only field of one record, or
     the name of the person with a given age (ages differ). v2 and its successor G wrote the right
     age and city in every JSON record but a wrong name in nearly all (teacher-forced: 9 of 267 name
     tokens, 148 of 148 cities), even the first record's, whose place is plain: it had never learned
     to copy a name token. Here the name's place is obvious, so what remains to learn is the copy.
     (Run H trained on these and JSON names stayed wrong; see the model card, "Names".)"""
-    n = rng.choice([1, 1, 2, 3, 4, 5])
+    if n is None:
+        n = rng.choice([1, 1, 2, 3, 4, 5])
     names = rng.sample(_NAMES, n)
     ages = rng.sample(range(18, 91), n)
     recs = [{"name": nm, "age": a, "city": rng.choice(_CITIES)} for nm, a in zip(names, ages)]
@@ -627,13 +629,39 @@ def _recall_name_table(rng: random.Random, thinking: bool) -> Example:
                    {"text": names[i]})
 
 
+def gen_names(rng: random.Random, thinking: bool) -> Example:
+    """Name drills, in training only: names copied out of one record, out of a table by their key,
+    out of a whole list of records copied as it is, and listed in order. v3's target wrote a wrong
+    name in nearly every JSON record (teacher-forced 12 of 267) after three runs in which the same
+    drills were a sliver of `recall`; fine-tuned on GPU on these four at 60% of the chats (the rest
+    JSON chats), it predicted 251 of 267 after 400 steps of 32 chats and 267 after 1200 (model card,
+    "Names"). A name-copying circuit has to form before anything can refine it, and it formed only
+    when the drills were dense."""
+    mode = rng.choice(["record", "record", "table", "table", "copy", "list"])
+    if mode in ("record", "table"):
+        ex = _recall_field(rng, thinking, n=1) if mode == "record" else _recall_name_table(rng, thinking)
+        return Example("names", ex.messages, ex.expected)
+    names = rng.sample(_NAMES, rng.randint(2, 5))
+    recs = [{"name": nm, "age": rng.randint(18, 90), "city": rng.choice(_CITIES)} for nm in names]
+    shown = json.dumps(recs)
+    if mode == "copy":
+        q = _pick(rng, f"Copy this list exactly: {shown}", f"Repeat these records unchanged: {shown}")
+        steps, answer = [f"{len(recs)} records, copied as they are."], shown
+    else:
+        q = f"List every name, in order, as a JSON array: {shown}"
+        steps, answer = [json.dumps(r) for r in recs], json.dumps(names)
+    return Example("names", [{"role": "user", "content": q}, _assistant("\n".join(steps), answer, thinking)],
+                   {"text": answer})
+
+
 # The corpus's closed word lists, by name: the training script watches whether each group's token
 # embeddings stay distinct (`tandem.demo.train.token_group_cosines`).
 VOCAB_GROUPS = {"names": _NAMES, "cities": _CITIES, "words": _WORDS, "adjectives": _ADJ, "nouns": _NOUN}
 
 
 _GENERATORS = {"arithmetic": gen_arithmetic, "sort": gen_sort, "count": gen_count, "units": gen_units,
-               "python": gen_python, "json": gen_json, "lookup": gen_lookup, "tool": gen_tool, "recall": gen_recall}
+               "python": gen_python, "json": gen_json, "lookup": gen_lookup, "tool": gen_tool, "recall": gen_recall,
+               "names": gen_names}
 
 
 @dataclass(frozen=True)
