@@ -10,7 +10,8 @@ Two measurements on the training-side model (`load_causal_lm`), on CPU (about 6 
   the field's value runs over its whole word group while the rest of the prompt stays the same.
   Per layer, the share of the answer position's hidden-state energy that varies with the value
   (variance across values / mean square). Near 0 means no attention carried the value to where the
-  answer is written; v3 moves a city (9-31%) and not a name (0.1-0.3%).
+  answer is written; v3 moves a city (9-31%) and not a name (0.1-0.3%), v4 (dense name drills)
+  moves both (names 48-78% at layers 3-7).
 """
 
 from __future__ import annotations
