@@ -632,11 +632,12 @@ def _recall_name_table(rng: random.Random, thinking: bool) -> Example:
 def gen_names(rng: random.Random, thinking: bool) -> Example:
     """Name drills, in training only: names copied out of one record, out of a table by their key,
     out of a whole list of records copied as it is, and listed in order. v3's target wrote a wrong
-    name in nearly every JSON record (teacher-forced 12 of 267) after three runs in which the same
-    drills were a sliver of `recall`; fine-tuned on GPU on these four at 60% of the chats (the rest
-    JSON chats), it predicted 251 of 267 after 400 steps of 32 chats and 267 after 1200 (model card,
-    "Names"). A name-copying circuit has to form before anything can refine it, and it formed only
-    when the drills were dense."""
+    name in nearly every JSON record (teacher-forced 12 of 267), also after a run (H) with
+    record-field drills at about 6% of its chats; fine-tuned on GPU on these four at 60% of the
+    chats (the rest JSON chats), it predicted 251 of 267 after 400 steps of 32 chats and 267 after
+    1200 (model card, "Names"). A name-copying circuit has to form before anything can refine it,
+    and it formed only when the drills were dense. v4's target learned them at 31% (run J1), then
+    kept them at 8% of the whole mix (run J)."""
     mode = rng.choice(["record", "record", "table", "table", "copy", "list"])
     if mode in ("record", "table"):
         ex = _recall_field(rng, thinking, n=1) if mode == "record" else _recall_name_table(rng, thinking)
