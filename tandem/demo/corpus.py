@@ -370,9 +370,14 @@ _NAMES = ("ann bob cai dev eli fay gus hal ivy jon kim lou max ned oli pam quin 
 _CITIES = ("Oslo Lima Rome Cairo Paris Tokyo Quito Dakar Hanoi Perth Bern Riga Baku Doha Kyiv").split()
 
 
+def _people(rng: random.Random, names: list[str]) -> list[dict[str, Any]]:
+    """JSON records of the json family: each name with a random age and city."""
+    return [{"name": n, "age": rng.randint(18, 90), "city": rng.choice(_CITIES)} for n in names]
+
+
 def gen_json(rng: random.Random, thinking: bool) -> Example:
     names = rng.sample(_NAMES, rng.randint(2, 5))
-    recs = [{"name": n, "age": rng.randint(18, 90), "city": rng.choice(_CITIES)} for n in names]
+    recs = _people(rng, names)
     mode = rng.choice(["map", "pick", "rename", "filter"])
     shown = json.dumps(recs)
     if mode == "map":
@@ -643,7 +648,7 @@ def gen_names(rng: random.Random, thinking: bool) -> Example:
         ex = _recall_field(rng, thinking, n=1) if mode == "record" else _recall_name_table(rng, thinking)
         return Example("names", ex.messages, ex.expected)
     names = rng.sample(_NAMES, rng.randint(2, 5))
-    recs = [{"name": nm, "age": rng.randint(18, 90), "city": rng.choice(_CITIES)} for nm in names]
+    recs = _people(rng, names)
     shown = json.dumps(recs)
     if mode == "copy":
         q = _pick(rng, f"Copy this list exactly: {shown}", f"Repeat these records unchanged: {shown}")
