@@ -104,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    from tandem.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
+    # Listed for --help only: `run` hands `tandem bench ...` to tandem.bench.cli before this parser
+    # sees it, so serving never imports the client-side bench code (httpx and the tools).
+    sub.add_parser("bench", add_help=False, help="benchmark and quality tools for any OpenAI-compatible server "
+                                                 "(`tandem bench --help` lists them)")
     return parser
 
 
@@ -343,6 +344,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def run(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from tandem.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -350,10 +356,6 @@ def run(argv: list[str] | None = None) -> int:
             return serve(args)
         if args.command == "plan":
             return plan(args)
-        if args.command == "bench":
-            from tandem.bench.cli import run_bench
-
-            return run_bench(args)
     except ValueError as e:
         parser.error(str(e))
     except OSError as e:
