@@ -6,6 +6,7 @@ object is never mutated afterwards.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,12 +81,28 @@ class RunnerConfig:
     # Triton RMSNorm / rotary / SiLU*up / router / small-batch MoE kernels (CUDA only; CPU always runs
     # the torch reference). On by default: 2.5x batch-1 decode on the H200 (BENCHMARKS.md).
     fused_ops: bool = True
+    # torch intra-op threads (--cpu-threads); None: the cores this process may use, less one left
+    # for the server's event loop and the engine thread that drives the device.
+    cpu_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
 
     def resolve(self, device: str, dtype: torch.dtype) -> RunnerConfig:
         fast = device == "cuda" and dtype in (torch.bfloat16, torch.float16)
         attn = self.attention_backend if self.attention_backend != "auto" else ("triton" if device == "cuda" else "torch")
         moe = self.moe_executor if self.moe_executor != "auto" else ("grouped" if fast else "torch")
-        return RunnerConfig(attn, moe, self.enforce_eager or device != "cuda", self.fused_ops)
+        threads = self.cpu_threads if self.cpu_threads is not None else max(1, usable_cpus() - 1)
+        return RunnerConfig(attn, moe, self.enforce_eager or device != "cuda", self.fused_ops, threads)
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -141,6 +158,12 @@ class ServerConfig:
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_request_body_bytes: int = 16 * 1024 * 1024
-    max_n: int = 16
+    max_json_depth: int = 64  # nesting of a request body's JSON, checked when it is parsed
+    max_n: int = 16  # --max-n: choices per request
+    max_prompts: int = 64  # --max-prompts-per-request: prompts in one /v1/completions request
+    # Chat templates render and prompts tokenize in worker processes (never on the event loop);
+    # a render that runs longer than this is killed and answered with HTTP 400.
+    text_workers: int = 2
+    render_timeout: float = 10.0
     shutdown_timeout: float = 30.0
     max_header_bytes: int = 64 * 1024  # uvicorn's h11 limit on a request's header block

@@ -7,10 +7,18 @@ The scheduler owns `Request.status` and `num_computed_tokens`; the KV manager ow
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0  # a real model's logits (spread of tens) are nearly flat long before
+MAX_COUNT = 2**31 - 1  # token counts, top_k, token ids: what an int32 index holds
+# Seeds accepted: what torch.Generator.manual_seed takes, int64 or uint64 ([-2^63, 2^64)).
+SEED_MIN, SEED_END = -(2**63), 2**64
 
 
 class ParamError(ValueError):
@@ -21,9 +29,80 @@ class ParamError(ValueError):
         self.param = param
 
 
+def reduce_seed(seed: int) -> int:
+    """`seed` modulo 2^64 as a signed 64-bit integer, in [-2^63, 2^63).
+
+    torch reads a negative seed as its two's complement, so the reduced seed gives the same
+    generator as the original; and seed + k (the server's per-choice seeds) stays inside
+    [-2^63, 2^64) for any k < 2^63, so it wraps around instead of overflowing."""
+    return (seed - SEED_MIN) % 2**64 + SEED_MIN
+
+
+def _shown(value: object) -> str:
+    """A value for an error message, cut short (a fuzzer's 400-digit integer stays out of logs)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _real(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """`value` as a float, or ParamError unless it is a finite real number in [lo, hi] ((lo, hi]
+    with lo_open). Bools are refused: True is not a temperature."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ParamError(f"{name} must be a number, got {type(value).__name__}", name)
+    try:
+        x = float(value)
+    except OverflowError:  # an int too large for a float is outside every range here
+        x = math.inf
+    if not ((lo < x if lo_open else lo <= x) and x <= hi):  # NaN fails every comparison
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise ParamError(f"{name} must be a finite number in {interval}, got {_shown(value)}", name)
+    return x
+
+
+def _integer(name: str, value: object, lo: int, hi: int, interval: str | None = None) -> int:
+    """`value` as an int, or ParamError unless it is an integer in [lo, hi] (`interval` says so in
+    the message, when the plain numbers would not read well)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ParamError(f"{name} must be an integer, got {type(value).__name__}", name)
+    n = int(value)
+    if not lo <= n <= hi:
+        raise ParamError(f"{name} must be an integer in {interval or f'[{lo}, {hi}]'}, got {_shown(n)}", name)
+    return n
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ParamError(f"{name} must be true or false, got {type(value).__name__}", name)
+    return value
+
+
+def _items(name: str, value: object) -> tuple:
+    if not isinstance(value, (list, tuple)):
+        raise ParamError(f"{name} must be a list, got {type(value).__name__}", name)
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens for one request. temperature 0 means greedy."""
+    """How to pick tokens for one request. temperature 0 means greedy.
+
+    Checked when built (ParamError naming the field; the engine's `validate` adds the checks that
+    need the model: stop_token_ids within the vocabulary, the context length). Accepted values:
+
+    - temperature: [0, 100] (below 1e-5: greedy)
+    - top_p: (0, 1]; min_p: [0, 1]
+    - top_k: -1 or 0 (off), or 1 .. 2^31-1 (at least the vocabulary: off)
+    - presence_penalty, frequency_penalty: [-2, 2] (OpenAI's range)
+    - repetition_penalty: [0.01, 100] (1: off)
+    - max_tokens: None (up to the context length) or 1 .. 2^31-1
+    - min_tokens: 0 .. 2^31-1, and at most max_tokens
+    - logprobs: None or 0 .. 20
+    - seed: None or any integer in [-2^63, 2^64), stored reduced modulo 2^64 (`reduce_seed`)
+    - stop: a string or a list of non-empty strings; stop_token_ids: a list of token ids
+
+    Floats must be finite real numbers (NaN and infinities are refused), integers must be ints
+    (not bools, not floats), flags must be bools.
+    """
 
     max_tokens: int | None = 16  # None: up to the context length
     temperature: float = 1.0
@@ -43,26 +122,38 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ParamError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.temperature < 0:
-            raise ParamError(f"temperature must be non-negative, got {self.temperature}", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
-            raise ParamError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}", "top_k")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ParamError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ParamError("presence_penalty must be in [-2, 2]", "presence_penalty")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ParamError("frequency_penalty must be in [-2, 2]", "frequency_penalty")
-        if self.repetition_penalty <= 0:
-            raise ParamError("repetition_penalty must be positive", "repetition_penalty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ParamError(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
-        if self.min_tokens < 0:
-            raise ParamError("min_tokens must be non-negative", "min_tokens")
+        # Each field is replaced by its checked, normalised value (plain float / int / tuple).
+        set_ = partial(object.__setattr__, self)
+        set_("temperature", _real("temperature", self.temperature, 0.0, MAX_TEMPERATURE))
+        set_("top_p", _real("top_p", self.top_p, 0.0, 1.0, lo_open=True))
+        set_("min_p", _real("min_p", self.min_p, 0.0, 1.0))
+        set_("presence_penalty", _real("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        set_("frequency_penalty", _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        # The sampler divides positive logits by the penalty and multiplies negative ones by it, in
+        # float32. Within [0.01, 100] a logit moves by at most 100x, so no real logit overflows, and
+        # the penalty never rounds to 0 (a division by zero) the way 1e-300 does in float32.
+        set_("repetition_penalty", _real("repetition_penalty", self.repetition_penalty, 0.01, 100.0))
+        set_("top_k", _integer("top_k", self.top_k, -1, MAX_COUNT))  # -1 and 0: off
+        if self.max_tokens is not None:
+            set_("max_tokens", _integer("max_tokens", self.max_tokens, 1, MAX_COUNT))
+        set_("min_tokens", _integer("min_tokens", self.min_tokens, 0, MAX_COUNT))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ParamError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+                             "min_tokens")
+        if self.logprobs is not None:
+            set_("logprobs", _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if self.seed is not None:
+            set_("seed", reduce_seed(_integer("seed", self.seed, SEED_MIN, SEED_END - 1, "[-2^63, 2^64)")))
+        stop = (self.stop,) if isinstance(self.stop, str) else _items("stop", self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ParamError("stop must be a list of non-empty strings", "stop")
+        set_("stop", stop)
+        ids = _items("stop_token_ids", self.stop_token_ids)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t <= MAX_COUNT for t in ids):
+            raise ParamError("stop_token_ids must be a list of token ids (non-negative integers)", "stop_token_ids")
+        set_("stop_token_ids", tuple(int(t) for t in ids))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _flag(name, getattr(self, name))
 
     @property
     def greedy(self) -> bool:
@@ -138,6 +229,9 @@ class TokenLogprobs:
     top: tuple[Logprob, ...]
 
 
+ErrorKind = Literal["invalid", "internal"]
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request (a delta: new tokens and text only)."""
@@ -152,4 +246,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
-    error: str | None = None
+    error: str | None = None  # with finish_reason "error": a short message for the client
+    # With finish_reason "error", whose fault it was: "invalid", the request can never run here
+    # (e.g. it outgrows the whole KV cache: a client error); "internal", the engine failed while
+    # running it (a server error; the log has the traceback under the request id).
+    error_kind: ErrorKind | None = None

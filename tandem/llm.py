@@ -24,6 +24,7 @@ class Completion:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str | None = None  # with finish_reason "error": what went wrong
 
 
 class LLM:
@@ -48,6 +49,7 @@ class LLM:
         moe_backend: str = "auto",
         fused_ops: bool = True,
         max_k: int = 0,
+        cpu_threads: int | None = None,
     ) -> None:
         dev = resolve_device(device)
         config = EngineConfig(
@@ -57,7 +59,7 @@ class LLM:
                               enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             spec=SpecConfig(max_k),
-            runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops),
+            runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops, cpu_threads),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
@@ -73,14 +75,15 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        results: dict[str, Completion] = {}
-        order = []
+        # Every prompt is validated before any is queued: a bad one leaves nothing behind.
+        requests = []
         for prompt, p in zip(prompts, per_prompt):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
-            results[rid] = Completion(ids)
-            order.append(rid)
+            requests.append(self.engine.new_request(f"offline-{next(self._ids)}", ids, p))
+        results = {r.request_id: Completion(list(r.prompt_token_ids)) for r in requests}
+        order = list(results)
+        for r in requests:
+            self.engine.add(r)
         bar = tqdm(total=len(order), disable=not use_tqdm, desc="Generating")
         while self.engine.has_unfinished:
             for out in self.engine.step():
@@ -91,7 +94,7 @@ class LLM:
                 if out.logprobs:
                     c.logprobs.extend(out.logprobs)
                 if out.finished:
-                    c.finish_reason = out.finish_reason
+                    c.finish_reason, c.error = out.finish_reason, out.error
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in order]

@@ -1,5 +1,8 @@
 """The engine end to end on tiny random checkpoints, against `transformers` as the reference."""
 
+import asyncio
+import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -7,6 +10,9 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.core import ParamError
+from tandem.engine.async_engine import AsyncEngine, EngineDeadError
+from tandem.engine.engine import MAX_FAILED_STEPS, EngineFatalError, LLMEngine
+from tandem.engine.sampler import Sampler
 from tiny_models import save_tiny_model
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -179,3 +185,194 @@ def test_offline_chat_renders_the_template(moe):
     prompt = llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
     assert prompt.startswith("<|im_start|>user\nhi<|im_end|>") and prompt.endswith("<think>\n\n</think>\n\n")
     assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize(("prompt", "params", "param"), [
+    ([1, "2", 3], SamplingParams(), "prompt"),
+    ([1, True], SamplingParams(), "prompt"),
+    ([1, 2.0], SamplingParams(), "prompt"),
+    ([-1, 5], SamplingParams(), "prompt"),
+    ("hello", SamplingParams(), "prompt"),
+    ([1, 2], SamplingParams(stop_token_ids=(10**6,)), "stop_token_ids"),
+])
+def test_validate_refuses_what_the_model_cannot_take(moe, prompt, params, param):
+    model_dir, _ = moe
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
+    with pytest.raises(ParamError) as e:
+        llm.engine.add_request("a", prompt, params)
+    assert e.value.param == param and not llm.engine.has_unfinished
+
+
+def test_cpu_threads_are_set_for_torch(moe, caplog):
+    model_dir, _ = moe
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB", cpu_threads=1)
+    assert torch.get_num_threads() == 1
+    assert "CPU threads: 1 for torch (of " in caplog.text
+
+
+def gauges(eng: LLMEngine) -> tuple[float, float, float]:
+    def get(name: str) -> float:
+        return eng.metrics.registry.get_sample_value(f"tandem:{name}", {"model_name": eng.model_name})
+    return get("num_requests_running"), get("num_requests_waiting"), get("kv_cache_usage_perc")
+
+
+def test_gauges_follow_adds_and_aborts_while_idle(moe):
+    model_dir, _ = moe
+    eng = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB").engine
+    eng.add_request("x", prompts(3)[2], SamplingParams(max_tokens=50))
+    assert gauges(eng)[:2] == (0, 1)
+    eng.step()
+    running, waiting, usage = gauges(eng)
+    assert (running, waiting) == (1, 0) and usage > 0
+    eng.abort("x")  # no step runs after this: the abort itself must bring the gauges down
+    assert gauges(eng) == (0, 0, 0)
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+
+def fail_when(rid: str, fn, after: bool = False):  # noqa: ANN001, ANN201
+    """Wrap fn(self, x, batch) to raise when request `rid` is in the batch (after fn ran, if
+    `after`: e.g. once the sampler has drawn from the batch's generators)."""
+    def ids(batch) -> set[str]:  # noqa: ANN001
+        return {getattr(x, "request", x).request_id for x in batch}
+
+    def wrapped(*args):  # noqa: ANN002, ANN202
+        out = fn(*args) if after else None
+        if rid in ids(args[-1]):
+            raise RuntimeError(f"injected failure for {rid}\n" + "a long traceback-like dump\n" * 500)
+        return out if after else fn(*args)
+    return wrapped
+
+
+def run_all(eng: LLMEngine) -> dict[str, list]:
+    """Step until idle; returns each request's outputs."""
+    outs: dict[str, list] = {}
+    while eng.has_unfinished:
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def tokens(outs: list) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def assert_internal_error(outs: list) -> None:
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "error" and last.error_kind == "internal"
+    assert "injected failure" in last.error and len(last.error) <= 200
+
+
+def test_a_request_failing_in_the_sampler_fails_alone(moe, monkeypatch, caplog):
+    model_dir, _ = moe
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
+    eng = llm.engine
+    ps = prompts(3, seed=3)
+    seeded = SamplingParams(max_tokens=20, temperature=1.0, top_k=50, seed=2**64 - 1, ignore_eos=True)
+    alone_greedy = llm.generate([ps[0]], GREEDY)[0].token_ids
+    alone_seeded = llm.generate([ps[1]], seeded)[0].token_ids
+    # The sampler raises after drawing for the whole batch: the retry must not draw a second time
+    # from the seeded request's generator.
+    monkeypatch.setattr(Sampler, "__call__", fail_when("bad", Sampler.__call__, after=True))
+    eng.add_request("greedy", ps[0], GREEDY)
+    eng.add_request("seeded", ps[1], seeded)
+    eng.add_request("bad", ps[2], GREEDY)
+    with caplog.at_level(logging.ERROR, logger="tandem"):
+        outs = run_all(eng)
+    assert_internal_error(outs["bad"])
+    assert tokens(outs["bad"]) == []
+    assert tokens(outs["greedy"]) == alone_greedy and outs["greedy"][-1].finish_reason == "length"
+    assert tokens(outs["seeded"]) == alone_seeded
+    assert "Request bad failed while sampling" in caplog.text
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.states and not eng.sampler.generators
+
+
+def test_a_failing_forward_fails_its_step_and_the_engine_goes_on(moe, monkeypatch):
+    model_dir, hf = moe
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
+    eng = llm.engine
+    ps = prompts(3, seed=4)
+    monkeypatch.setattr(eng.runner, "execute", fail_when("bad", eng.runner.execute))
+    eng.add_request("early", ps[0], GREEDY)
+    eng.step()
+    eng.step()
+    eng.add_request("bad", ps[1], GREEDY)  # joins early's batch: the step cannot be pinned on one
+    outs = {o.request_id: o for o in eng.step()}
+    assert set(outs) == {"early", "bad"}
+    for o in outs.values():
+        assert_internal_error([o])
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.has_unfinished
+    # bad's blocks were registered as cached prefix before its forward failed: a later request with
+    # the same prompt must not reuse their unwritten K/V.
+    monkeypatch.undo()
+    again = llm.generate([ps[1], ps[0]], GREEDY)
+    assert [o.token_ids for o in again] == [reference(hf, ps[1]), reference(hf, ps[0])]
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_persistent_failures_and_device_errors_are_fatal(moe, monkeypatch):
+    model_dir, _ = moe
+    eng = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB").engine
+
+    def broken(batch):  # noqa: ANN001, ANN202
+        raise RuntimeError("the runner is broken")
+
+    monkeypatch.setattr(eng.runner, "execute", broken)
+    for i in range(MAX_FAILED_STEPS - 1):
+        eng.add_request(f"r{i}", prompts(1)[0], GREEDY)
+        assert [o.finish_reason for o in eng.step()] == ["error"]
+    eng.add_request("last", prompts(1)[0], GREEDY)
+    with pytest.raises(EngineFatalError, match=f"{MAX_FAILED_STEPS} steps in a row failed"):
+        eng.step()
+
+    eng = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB").engine
+
+    def device_assert(batch):  # noqa: ANN001, ANN202
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(eng.runner, "execute", device_assert)
+    eng.add_request("a", prompts(1)[0], GREEDY)
+    with pytest.raises(EngineFatalError, match="device error while running the model"):
+        eng.step()
+
+
+def test_async_engine_survives_a_failing_request_then_dies_on_persistent_failure(moe, monkeypatch):
+    model_dir, _ = moe
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="32MiB")
+    ps = prompts(2, seed=7)
+    alone = llm.generate([ps[0]], GREEDY)[0].token_ids
+    reasons: list[str] = []
+    engine = AsyncEngine(llm.engine, on_fatal=reasons.append)
+    engine.start()
+
+    async def collect(rid: str, prompt: list[int]) -> list:
+        return [o async for o in engine.generate(rid, prompt, GREEDY)]
+
+    async def scenario() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(Sampler, "__call__", fail_when("bad", Sampler.__call__))
+            good, bad = await asyncio.gather(collect("good", ps[0]), collect("bad", ps[1]))
+        assert tokens(good) == alone and good[-1].finish_reason == "length"
+        assert_internal_error(bad)
+        assert not engine.is_dead
+
+        def broken(batch):  # noqa: ANN001, ANN202
+            raise RuntimeError("the runner is broken")
+
+        monkeypatch.setattr(llm.engine.runner, "execute", broken)
+        for i in range(MAX_FAILED_STEPS - 1):
+            outs = await collect(f"r{i}", ps[0])
+            assert outs[-1].finish_reason == "error" and not engine.is_dead
+        with pytest.raises(EngineDeadError, match="steps in a row failed"):
+            await collect("last", ps[0])
+        with pytest.raises(EngineDeadError):
+            await collect("after", ps[0])
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 5
+    while not reasons and time.monotonic() < deadline:  # on_fatal runs on the engine thread
+        time.sleep(0.01)
+    assert engine.is_dead
+    assert len(reasons) == 1 and f"{MAX_FAILED_STEPS} steps in a row failed" in reasons[0]

@@ -113,3 +113,20 @@ def test_batched_sampling_follows_each_rows_distribution():
         counts[a] += 1
         assert b == 1 and c == 2
     assert torch.allclose(counts / 3000, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_rollback_undoes_the_last_calls_seeded_draws():
+    logits = LOGITS.repeat(3, 1)
+    fresh = req(SamplingParams(temperature=1.0, seed=5), rid="fresh")
+    old = req(SamplingParams(temperature=1.0, seed=6), rid="old")
+    unseeded = req(SamplingParams(temperature=1.0), rid="plain")
+    s = Sampler("cpu")
+    s(logits[:1], [old])  # "old" has drawn once before the call that will be undone
+    s(logits, [fresh, old, unseeded])
+    s.rollback()
+    assert "fresh" not in s.generators  # created by the undone call: re-created from its seed
+    # Sampling again continues each seeded stream as if the undone call never ran.
+    ref = Sampler("cpu")
+    ref(logits[:1], [old])
+    for _ in range(5):
+        assert s(logits, [fresh, old]).token_ids == ref(logits, [fresh, old]).token_ids

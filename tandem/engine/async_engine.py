@@ -1,8 +1,10 @@
 """AsyncEngine: the LLMEngine on a background thread, one async stream per request.
 
 Only the background thread touches the LLMEngine: the event loop sends it commands (add, abort)
-through a queue and receives outputs through `call_soon_threadsafe`. A step that raises kills the
-engine loudly: every stream gets EngineDeadError and /health turns 503.
+through a queue and receives outputs through `call_soon_threadsafe`. A request that fails inside a
+step ends alone (finish_reason "error"); when the engine itself cannot go on (`step` raised
+EngineFatalError, or anything raised outside a request's step) the engine dies loudly: every
+stream gets EngineDeadError, `is_dead` turns True (/health 503) and `on_fatal(reason)` is called.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from tandem.config import EngineConfig
-from tandem.core import ParamError, RequestOutput, SamplingParams
-from tandem.engine.engine import LLMEngine
+from tandem.core import ParamError, Request, RequestOutput, SamplingParams
+from tandem.engine.engine import EngineFatalError, LLMEngine
 
 logger = logging.getLogger("tandem")
 
@@ -32,9 +34,7 @@ class EngineDeadError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: Request  # validated by the caller's thread (LLMEngine.new_request)
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,19 @@ class _Abort:
     request_id: str
 
 
+def log_fatal(reason: str) -> None:
+    """The default `on_fatal`: only log (the process keeps running, answering 503)."""
+    logger.critical("The engine is dead and will not recover: %s", reason)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_fatal: Callable[[str], None] = log_fatal) -> None:
+        """`on_fatal(reason)` is called once, on the engine thread, after the engine died and every
+        stream was sent EngineDeadError (those errors are still on their way through the event
+        loop: a callback that stops the process should let the loop run a moment, not
+        os._exit at once). It may be replaced as an attribute before `start`."""
         self.engine = engine
+        self.on_fatal = on_fatal
         self.config = engine.config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -61,8 +71,8 @@ class AsyncEngine:
         self._stop = False
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, on_fatal: Callable[[str], None] = log_fatal) -> AsyncEngine:
+        return cls(LLMEngine(config), on_fatal)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -105,7 +115,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running: {self._error!r}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
-        self.engine.validate(prompt_token_ids, params)  # reads only immutable limits: thread-safe
+        # Validated here, once: new_request reads only immutable limits, so it is thread-safe.
+        request = self.engine.new_request(request_id, prompt_token_ids, params)
         if request_id in self._streams:
             raise ParamError(f"request id {request_id} is already in use", "request_id")
         with self._lock:
@@ -114,9 +125,11 @@ class AsyncEngine:
             self._num_waiting += 1
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params))
+        self._commands.put(_Add(request))
         finished = False
         try:
+            if self.is_dead:  # died after the check above, maybe before it saw this stream
+                raise EngineDeadError(f"the engine is not running: {self._error!r}")
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -149,9 +162,9 @@ class AsyncEngine:
         while True:
             if isinstance(cmd, _Add):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                    self.engine.add(cmd.request)
                 except ValueError as e:  # ParamError included: refuse this request only
-                    self._deliver(cmd.request_id, e)
+                    self._deliver(cmd.request.request_id, e)
             elif isinstance(cmd, _Abort):
                 out = self.engine.abort(cmd.request_id)
                 if out is not None:  # a consumer still listening (shutdown) sees its stream end
@@ -182,7 +195,16 @@ class AsyncEngine:
                     logger.info(self.engine.stats_line())
                     last_log = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
-            logger.exception("Engine loop died; failing all requests")
-            self._error = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"the engine died: {e!r}"))
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        """Mark the engine dead, fail every stream, tell `on_fatal`."""
+        reason = str(error) if isinstance(error, EngineFatalError) else f"the engine loop raised {error!r}"
+        logger.critical("Engine loop died (%s); failing all %d requests", reason, len(self._streams), exc_info=error)
+        self._error = error  # is_dead from here on: generate refuses new requests
+        for rid in list(self._streams):
+            self._deliver(rid, EngineDeadError(f"the engine died: {reason}"))
+        try:
+            self.on_fatal(reason)
+        except Exception:  # noqa: BLE001 - the callback's failure must not hide the death
+            logger.exception("on_fatal(%r) raised", reason)

@@ -1,22 +1,28 @@
-"""LLMEngine: add requests, step, abort. One step is schedule -> run -> sample -> postprocess."""
+"""LLMEngine: add requests, step, abort. One step is schedule -> run -> sample -> postprocess.
+
+A request that fails inside a step ends alone, with finish_reason "error", and the engine goes on
+serving the others; only a failure the engine cannot recover from (a device error, steps failing
+one after another) raises EngineFatalError out of `step`.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
 from tandem.attention import get_attention_backend
-from tandem.config import EngineConfig
-from tandem.core import ParamError, Request, RequestOutput, SamplingParams, TokenLogprobs
+from tandem.config import EngineConfig, usable_cpus
+from tandem.core import ErrorKind, ParamError, Request, RequestOutput, SamplingParams, TokenLogprobs
 from tandem.engine.metrics import EngineMetrics, StatsWindow
 from tandem.engine.runner import ModelRunner, allocate_kv_caches
-from tandem.engine.sampler import Sampler
+from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
@@ -30,6 +36,37 @@ logger = logging.getLogger("tandem")
 GiB = 1024**3
 CAPTURABLE_ATTENTION = {"triton"}  # backends that read only device tensors (no host syncs)
 CAPTURABLE_MOE = {"grouped"}
+# Steps that fail as a whole one after another before the engine gives up: one such step is a
+# request's bad luck (its requests end, the rest go on); several in a row mean the engine is broken.
+MAX_FAILED_STEPS = 3
+# Errors after which the CUDA context is unusable: every later kernel launch fails as well.
+_DEVICE_ERROR_MARKERS = ("CUDA error", "device-side assert", "CUBLAS_STATUS", "CUDNN_STATUS", "illegal memory access")
+
+
+class EngineFatalError(RuntimeError):
+    """The engine cannot go on (a device error, or steps failing one after another); whoever owns
+    it must stop serving. Raised by `LLMEngine.step`."""
+
+
+def is_device_error(error: BaseException) -> bool:
+    """Whether `error` leaves the device unusable: CUDA errors (device-side asserts included) are
+    sticky. Out-of-memory is not one: the failed step's memory goes back to the allocator."""
+    if isinstance(error, torch.AcceleratorError):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _DEVICE_ERROR_MARKERS)
+
+
+def brief(error: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, at most `limit` characters: what a client is told."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _all_ints(values: Sequence[object]) -> bool:
+    if set(map(type, values)) <= {int}:  # the common case, at C speed
+        return True
+    return all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
 
 
 @dataclass
@@ -60,6 +97,7 @@ class LLMEngine:
             self._check_weights_fit(sum(math.prod(e.shape) for e in used) * elem)
         self.model = model if model is not None else load_checkpoint(mc.model, mc.dtype, self.device)[0]
         self.runner_config = config.runner.resolve(self.device.type, mc.dtype)
+        self._set_cpu_threads()
         self._install_kernels()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.vocab_size = int(self.model.hf_config["vocab_size"])
@@ -82,9 +120,16 @@ class LLMEngine:
         self.states: dict[str, _ReqState] = {}
         self._window = StatsWindow(time.monotonic())
         self._prefix_reported = (0, 0)  # prefix-cache counters already pushed to Prometheus
+        self._failed_steps = 0  # steps in a row that failed as a whole (see _fail_step)
         self._log_summary(num_blocks, block_size)
 
     # -- start-up planning ------------------------------------------------------------------
+    def _set_cpu_threads(self) -> None:
+        threads = self.runner_config.cpu_threads
+        assert threads is not None, "RunnerConfig.resolve() fills cpu_threads"
+        torch.set_num_threads(threads)  # process-wide: the CPU forward and CPU MoE experts use these
+        logger.info("CPU threads: %d for torch (of %d usable cores; --cpu-threads)", threads, usable_cpus())
+
     def _install_kernels(self) -> None:
         """Put the configured attention backend and MoE executor into the model's layers."""
         rc = self.runner_config
@@ -180,14 +225,17 @@ class LLMEngine:
         )
 
     # -- requests -----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request against the context length; returns its resolved max_tokens."""
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        """Check a request against the model: prompt and stop token ids within the vocabulary,
+        prompt plus max_tokens within the context length (SamplingParams checked its own fields
+        when it was built). Returns the resolved max_tokens; raises ParamError naming the field.
+        Reads only immutable limits, so any thread may call it."""
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise ParamError(f"the prompt must be a list of token ids, got {type(prompt_token_ids).__name__}", "prompt")
         n = len(prompt_token_ids)
         if n == 0:
             raise ParamError("the prompt is empty", "prompt")
-        vocab = self.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        # The length first: a prompt far past the context is refused before its ids are scanned.
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len or n >= self.max_model_len:
             raise ParamError(
@@ -196,19 +244,36 @@ class LLMEngine:
                 "Please reduce the length of the messages or completion.",
                 "max_tokens" if params.max_tokens is not None and n < self.max_model_len else "messages",
             )
+        vocab = self.vocab_size
+        if not _all_ints(prompt_token_ids):
+            raise ParamError("prompt token ids must be integers", "prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ParamError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         return max_tokens
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.states:
-            raise ValueError(f"request id {request_id} is already in use")
+    def new_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
+        """A validated request (`validate`), ready for `add`. Any thread may call it."""
         max_tokens = self.validate(prompt_token_ids, params)
         eos = frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids
-        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=eos, max_tokens=max_tokens)
+        return Request(request_id, list(map(int, prompt_token_ids)), params, eos_token_ids=eos, max_tokens=max_tokens)
+
+    def add(self, req: Request) -> None:
+        """Queue a request made by `new_request`. ParamError when its prompt can never fit in the
+        KV cache; ValueError when its id is in use."""
+        if req.request_id in self.states:
+            raise ValueError(f"request id {req.request_id} is already in use")
         try:
             self.scheduler.add(req)
         except ValueError as e:
             raise ParamError(str(e), "messages") from e
-        self.states[request_id] = _ReqState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens))
+        self.states[req.request_id] = _ReqState(IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens))
+        self._update_gauges()
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Validate and queue a request (AsyncEngine does the two halves on different threads)."""
+        self.add(self.new_request(request_id, prompt_token_ids, params))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its blocks; returns its final output (finish_reason "abort"),
@@ -217,6 +282,7 @@ class LLMEngine:
         if req is None:
             return None
         self._finish(req, "abort")
+        self._update_gauges()  # an idle engine runs no step that would
         return RequestOutput(request_id, [], "", True, "abort", num_prompt_tokens=req.num_prompt_tokens,
                              num_cached_tokens=req.num_cached_prompt_tokens, num_output_tokens=req.num_output_tokens)
 
@@ -230,45 +296,96 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        """Schedule -> run the model -> sample -> postprocess. Returns a delta for every request
+        that got a token or finished.
+
+        A failure ends only the requests it can be blamed on, each with finish_reason "error" and
+        error_kind "internal", and the engine goes on: a failure to schedule or to run the model
+        ends every request of the step (`_fail_step`), a failure to sample only the rows that
+        fail alone (`_sample`), a failure to postprocess only its request. Raises
+        EngineFatalError when the engine cannot go on."""
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:  # noqa: BLE001 - the queues were mid-update: no request is above suspicion
+            return self._fail_step("scheduling", e, list(self.scheduler.requests.values()))
         outputs = [self._reject(r) for r in sched.rejected]
-        if sched.is_empty:
-            self._update_gauges()
-            return outputs
-        sampling = [s.request for s in sched.scheduled if s.samples]
-        prompt_tokens = sum(
-            max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in sched.scheduled
-        )
-        logits, graphed = self.runner.execute(sched.scheduled)
-        self.metrics.model_steps.labels(model_name=self.model_name, mode="cuda_graph" if graphed else "eager").inc()
-        self.scheduler.update_after_step(sched)
-        sampled = self.sampler(logits, sampling)
-        outputs += self._postprocess(sched, prompt_tokens, sampling, sampled.token_ids, sampled.logprobs)
+        if not sched.is_empty:
+            try:
+                logits, graphed = self.runner.execute(sched.scheduled)
+            except Exception as e:  # noqa: BLE001 - one forward pass for all: nothing singles a request out
+                return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
+            self._failed_steps = 0
+            self.metrics.model_steps.labels(model_name=self.model_name, mode="cuda_graph" if graphed else "eager").inc()
+            self.scheduler.update_after_step(sched)
+            sampling = [s.request for s in sched.scheduled if s.samples]
+            sampled, failed = self._sample(logits, sampling)
+            outputs += self._postprocess(sched, sampling, sampled, failed)
         self._update_gauges()
         return outputs
 
-    def _postprocess(self, sched: SchedulerOutput, prompt_tokens: int, reqs: list[Request], tokens: list[int],
-                     logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[SamplerOutput, dict[int, Exception]]:
+        """Sample the batch (logits [S, V]); when that raises, sample its rows one by one and
+        blame only the rows that fail alone (returned by row; their tokens are placeholders).
+
+        Before the retry the sampler rolls back the seeded generators the failed call drew from,
+        so a seeded row that succeeds still draws exactly once and its tokens are the ones it
+        would have had without the failure. Unseeded rows draw again from the engine's shared
+        generator: they promise no repeatability. Greedy rows are unaffected."""
+        try:
+            return self.sampler(logits, reqs), {}
+        except Exception as e:  # noqa: BLE001 - a bad row must not fail the batch
+            self._raise_if_fatal("sampling", e)
+            self.sampler.rollback()
+            logger.warning("Sampling a batch of %d requests failed (%s); sampling them one by one",
+                           len(reqs), brief(e), exc_info=e)
+        tokens, logprobs = [0] * len(reqs), [None] * len(reqs)
+        failed: dict[int, Exception] = {}
+        for i, req in enumerate(reqs):
+            try:
+                row = self.sampler(logits[i : i + 1], [req])
+            except Exception as e:  # noqa: BLE001
+                self._raise_if_fatal("sampling", e)
+                failed[i] = e
+            else:
+                tokens[i], logprobs[i] = row.token_ids[0], row.logprobs[0]
+        return SamplerOutput(tokens, logprobs), failed
+
+    def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], sampled: SamplerOutput,
+                     failed: dict[int, Exception]) -> list[RequestOutput]:
+        """Append each request's sampled token and build its delta; the rows in `failed` (and a
+        request whose postprocessing raises) end with an error instead."""
         now = time.monotonic()
-        window = self._window
         m = self.metrics
-        window.prompt_tokens += prompt_tokens
+        prompt_tokens = sum(
+            max(0, min(s.start + s.num_tokens, s.request.num_prompt_tokens) - s.start) for s in sched.scheduled
+        )
+        self._window.prompt_tokens += prompt_tokens
         m.label(m.prompt_tokens).inc(prompt_tokens)
         m.label(m.preemptions).inc(len(sched.preempted))
         outputs = []
-        for req, token, lp in zip(reqs, tokens, logprobs):
-            state = self.states[req.request_id]
-            req.output_token_ids.append(token)
-            window.generation_tokens += 1
-            m.label(m.generation_tokens).inc()
-            if state.first_token_time is None:
-                state.first_token_time = now
-                m.label(m.ttft).observe(now - req.arrival_time)
-            else:
-                m.label(m.itl).observe(now - (state.last_token_time or now))
-            state.last_token_time = now
-            outputs.append(self._emit(req, state, token, lp))
+        for i, (req, token, lp) in enumerate(zip(reqs, sampled.token_ids, sampled.logprobs)):
+            if i in failed:
+                outputs.append(self._fail_request(req, "sampling", failed[i]))
+                continue
+            try:
+                outputs.append(self._append_token(req, token, lp, now))
+            except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request alone
+                outputs.append(self._fail_request(req, "postprocessing", e))
         return outputs
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
+        state = self.states[req.request_id]
+        req.output_token_ids.append(token)
+        self._window.generation_tokens += 1
+        m = self.metrics
+        m.label(m.generation_tokens).inc()
+        if state.first_token_time is None:
+            state.first_token_time = now
+            m.label(m.ttft).observe(now - req.arrival_time)
+        else:
+            m.label(m.itl).observe(now - (state.last_token_time or now))
+        state.last_token_time = now
+        return self._emit(req, state, token, lp)
 
     def _emit(self, req: Request, state: _ReqState, token: int, lp: TokenLogprobs | None) -> RequestOutput:
         """Detokenize the new token, apply stop conditions, and build the request's delta."""
@@ -348,10 +465,47 @@ class LLMEngine:
             f"cache has {self.kv.num_blocks}; raise --kv-cache-memory or shorten the request"
         )
         logger.error(message)
-        req.finish_reason = "error"
+        return self._end_with_error(req, message, "invalid")
+
+    # -- failures -----------------------------------------------------------------------------
+    def _fail_step(self, stage: str, error: Exception, reqs: list[Request]) -> list[RequestOutput]:
+        """End every request of a step that failed as a whole (nothing pins the failure on one of
+        them). Raises EngineFatalError instead when the engine cannot go on: after a device error
+        or when MAX_FAILED_STEPS steps in a row failed."""
+        self._raise_if_fatal(stage, error)
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineFatalError(
+                f"{self._failed_steps} steps in a row failed, the last while {stage}: {brief(error)}"
+            ) from error
+        logger.error("A step failed while %s; ending its %d requests with an error: %s", stage, len(reqs),
+                     ", ".join(r.request_id for r in reqs), exc_info=error)
+        # The step's K/V may be missing or half written, yet the blocks it was to fill were
+        # registered in the prefix cache when they were allocated: forget every cached prefix
+        # rather than let a later prompt hit garbage. (Blocks still held are cached again as
+        # their requests grow.)
+        self.kv.reset_prefix_cache()
+        message = f"internal error while {stage}: {brief(error)}"
+        outputs = [self._end_with_error(r, message) for r in reqs]
+        self._update_gauges()
+        return outputs
+
+    def _fail_request(self, req: Request, stage: str, error: Exception) -> RequestOutput:
+        """End one request that failed while `stage`; the log gets the traceback."""
+        logger.error("Request %s failed while %s; ending it with an error", req.request_id, stage, exc_info=error)
+        return self._end_with_error(req, f"internal error while {stage}: {brief(error)}")
+
+    @staticmethod
+    def _raise_if_fatal(stage: str, error: Exception) -> None:
+        if is_device_error(error):
+            raise EngineFatalError(f"device error while {stage}: {brief(error)}") from error
+
+    def _end_with_error(self, req: Request, message: str, kind: ErrorKind = "internal") -> RequestOutput:
+        """Finish a request with finish_reason "error" (freeing its blocks) and build its last delta."""
         self._finish(req, "error")
         return RequestOutput(req.request_id, [], "", True, "error", num_prompt_tokens=req.num_prompt_tokens,
-                             num_output_tokens=req.num_output_tokens, error=message)
+                             num_cached_tokens=req.num_cached_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                             error=message, error_kind=kind)
 
     def _update_gauges(self) -> None:
         m = self.metrics

@@ -4,6 +4,9 @@ Order of operations (as in vLLM): logprobs come from the raw model logits; then 
 masking, penalties, temperature, top-k, top-p and min-p, then the draw. Greedy requests take the
 argmax after penalties. A request with a seed draws from its own generator, so its output does not
 depend on what else is in the batch.
+
+A call that raises can be undone for the seeded rows (`rollback`), so the engine can re-sample a
+failed batch row by row without drawing twice from any seeded request's generator.
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ class Sampler:
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        # Seeded generators the current call drew from, with their state before it (None: the
+        # call created it). get_state is a host-side copy (~5 KB on CPU, 16 B on CUDA): no sync.
+        self._undo: dict[str, torch.Tensor | None] = {}
 
     def _generator(self, req: Request) -> torch.Generator:
         seed = req.params.seed
@@ -102,12 +108,27 @@ class Sampler:
             return self.default_generator
         gen = self.generators.get(req.request_id)
         if gen is None:
+            self._undo.setdefault(req.request_id, None)
             gen = self.generators[req.request_id] = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
+            gen.manual_seed(seed)  # SamplingParams reduced it into the range manual_seed takes
+        else:
+            self._undo.setdefault(req.request_id, gen.get_state())
         return gen
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+
+    def rollback(self) -> None:
+        """Undo the last call's draws from seeded generators: each is put back to its state before
+        the call (or dropped, if the call created it; it is re-created from the seed). Sampling
+        the same rows again then draws each seeded token once, as a call that never failed would.
+        The engine's shared generator is not rolled back: unseeded rows promise no repeatability."""
+        for request_id, state in self._undo.items():
+            if state is None:
+                self.generators.pop(request_id, None)
+            elif request_id in self.generators:
+                self.generators[request_id].set_state(state)
+        self._undo = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [S, V] float32, one row per request -> one token per request.
@@ -116,6 +137,7 @@ class Sampler:
         draw; rows with penalties, min_tokens or a seed are processed one by one on the device. The
         chosen tokens come back to the host in a single copy.
         """
+        self._undo = {}
         logits = logits.float()
         dev = logits.device
         tokens = torch.empty(len(requests), dtype=torch.long, device=dev)  # [S]
