@@ -4,29 +4,130 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as FastTokenizer
 
+from tandem.core import ParamError, SamplingParams
+
 
 class TokenizerError(ValueError):
-    pass
+    """A tokenizer file that cannot be used; the message is one line naming the file (and key)."""
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else text[:36] + "..."
+
+
+def describe_json(value: Any) -> str:
+    """A JSON value as an error message names it (short, one line): 'the string "0.7"', 'a list', 'NaN'."""
+    if isinstance(value, bool):
+        return f"the boolean {json.dumps(value)}"
+    if isinstance(value, str):
+        return f"the string {_short(json.dumps(value))}"  # quoted and escaped: the message stays one line
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value).replace("nan", "NaN").replace("inf", "Infinity")
+    if isinstance(value, (int, float)):
+        return f"the number {_short(str(value))}"
+    return {list: "a list", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; {} when the file does not exist."""
+    if not path.is_file():
+        return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e})") from e
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot be read ({e})") from None
+    except ValueError as e:  # JSONDecodeError, or a number of more than 4300 digits
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path}: must be a JSON object, got {describe_json(value)}")
+    return value
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(cfg: dict[str, Any], key: str, path: Path) -> str | None:
     """tokenizer_config.json writes special tokens as strings or as {"content": ...} objects."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+    value = cfg.get(key)
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        got = f'an object whose "content" is {describe_json(text)}' if isinstance(value, dict) else describe_json(value)
+        raise TokenizerError(f'{path}: "{key}" must be a string, null or an object with a string "content", '
+                             f"got {got}")  # fmt: skip
+    return text
+
+
+def _chat_template(cfg: dict[str, Any], path: Path) -> str | None:
+    """A string, or named templates [{"name", "template"}] of which "default" (else the first) is used."""
+    template = cfg.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if not isinstance(template, list):
+        raise TokenizerError(f'{path}: "chat_template" must be a string or a list of '
+                             f'{{"name", "template"}} objects, got {describe_json(template)}')  # fmt: skip
+    named: dict[str, str] = {}
+    for i, entry in enumerate(template):
+        ok = isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in ("name", "template"))
+        if not ok:
+            keys = json.dumps(sorted(entry)) if isinstance(entry, dict) else None
+            got = f"an object with keys {keys}" if keys else describe_json(entry)
+            raise TokenizerError(f'{path}: "chat_template"[{i}] must be an object with a string "name" and '
+                                 f'a string "template", got {got}')  # fmt: skip
+        named[entry["name"]] = entry["template"]
+    return named.get("default") or next(iter(named.values()), None)
+
+
+def _eos_token_ids(gen: dict[str, Any], path: Path, fast: FastTokenizer) -> set[int]:
+    value = gen.get("eos_token_id")
+    if value is None:
+        return set()
+    ids = value if isinstance(value, list) else [value]
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool):
+            got = f"{describe_json(i)} in the list" if isinstance(value, list) else describe_json(value)
+            raise TokenizerError(f'{path}: "eos_token_id" must be a token id or a list of token ids, got {got}')
+        if not 0 <= i < 2**32 or fast.id_to_token(i) is None:  # (the bound keeps the id a u32)
+            raise TokenizerError(f'{path}: "eos_token_id" {i} is not a token of tokenizer.json (its ids run '
+                                 f"0..{fast.get_vocab_size(with_added_tokens=True) - 1})")  # fmt: skip
+    return set(ids)
+
+
+def _sampling_defaults(gen: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The sampling defaults of generation_config.json, checked as a request's fields would be, so a
+    bad file fails at start-up instead of failing every request that leaves the field out."""
+    defaults: dict[str, Any] = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = gen.get(key)
+        if value is None:  # null: not set
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TokenizerError(f'{path}: "{key}" must be a number, got {describe_json(value)}')
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TokenizerError(f'{path}: "{key}" must be a finite number, got {describe_json(value)}')
+        if key == "top_k":
+            if isinstance(value, float) and not value.is_integer():
+                raise TokenizerError(f'{path}: "top_k" must be an integer, got {describe_json(value)}')
+            value = int(value)
+        defaults[key] = value
+    do_sample = gen.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise TokenizerError(f'{path}: "do_sample" must be true or false, got {describe_json(do_sample)}')
+    if do_sample is False and "temperature" not in defaults:
+        defaults["temperature"] = 0.0
+    try:
+        SamplingParams(**defaults)
+    except ParamError as e:
+        key = e.param if e.param in defaults else None
+        where = f'"{key}" {_short(str(defaults[key]))}' if key else f"the sampling defaults {_short(str(defaults))}"
+        raise TokenizerError(f"{path}: {where} is refused: {e}") from None
+    return defaults
 
 
 @dataclass
@@ -41,6 +142,8 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Read and check the tokenizer files; any problem raises TokenizerError naming the file
+        and the key (generation_config.json's sampling defaults are validated like a request)."""
         model_dir = Path(model_dir)
         tok_path = model_dir / "tokenizer.json"
         if not tok_path.is_file():
@@ -50,28 +153,21 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise TokenizerError(f"{tok_path}: cannot be read ({e})") from e
         cfg_path = model_dir / "tokenizer_config.json"
-        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
+        cfg = _read_json(cfg_path)
+        template = _chat_template(cfg, cfg_path)
         jinja_path = model_dir / "chat_template.jinja"
         if template is None and jinja_path.is_file():
-            template = jinja_path.read_text(encoding="utf-8")
-        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+            try:
+                template = jinja_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{jinja_path}: cannot be read ({e})") from None
+        bos, eos = _token_text(cfg, "bos_token", cfg_path), _token_text(cfg, "eos_token", cfg_path)
         gen_path = model_dir / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.is_file() else {}
-        eos_ids: set[int] = set()
-        gen_eos = gen.get("eos_token_id")
-        if isinstance(gen_eos, int):
-            eos_ids.add(gen_eos)
-        elif isinstance(gen_eos, list):
-            eos_ids.update(int(i) for i in gen_eos)
+        gen = _read_json(gen_path)
+        eos_ids = _eos_token_ids(gen, gen_path, fast)
         if eos is not None and fast.token_to_id(eos) is not None:
             eos_ids.add(fast.token_to_id(eos))
-        defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in gen}
-        if not gen.get("do_sample", True) and "temperature" not in defaults:
-            defaults["temperature"] = 0.0
+        defaults = _sampling_defaults(gen, gen_path)
         return cls(model_dir, fast, template, bos, eos, frozenset(eos_ids), defaults)
 
     @property

@@ -144,6 +144,19 @@ def test_shape_mismatch(ckpt):
     expect_error(ckpt, WEIGHTS, "model.norm.weight", "[31]", "[32]")
 
 
+def test_layers_the_files_lack_are_named_before_the_model_is_built(tmp_path):
+    path = make_checkpoint(tmp_path / "m", num_hidden_layers=4)
+    edit_tensors(path, lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.2.")])
+    expect_error(path, str(path), "config.json says num_hidden_layers 4 but the safetensors hold 3 layers (0, 1, 3)")
+
+
+def test_config_integers_outside_the_limits(ckpt):
+    edit_config(ckpt, hidden_size=-32)
+    expect_error(ckpt, "config.json: hidden_size -32 must be positive")
+    edit_config(ckpt, hidden_size=1 << 20)
+    expect_error(ckpt, "config.json: hidden_size 1048576 is above the limit of 65536")
+
+
 def test_truncated_safetensors(ckpt):
     path = ckpt / WEIGHTS
     data = path.read_bytes()

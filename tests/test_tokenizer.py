@@ -52,3 +52,11 @@ def test_incomplete_character_is_flushed_at_the_end(tok):
 
 def test_assets_exist():
     assert (ASSETS / "builtin_chat_template.jinja").is_file()
+
+
+def test_bad_sampling_default_names_the_file_and_key(tmp_path: Path):
+    (tmp_path / "tokenizer.json").write_bytes(TOKENIZER_JSON.read_bytes())
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0}')
+    with pytest.raises(TokenizerError) as info:
+        Tokenizer.from_dir(tmp_path)
+    assert str(info.value).startswith(f'{tmp_path / "generation_config.json"}: "top_p" 0 is refused: top_p must be')

@@ -2,10 +2,12 @@
 on the target device in the run dtype.
 
 `inspect_checkpoint` validates everything it can without touching device memory: the files, every
-safetensors header against its file size, and every tensor name and shape against a meta-device
-instance of the model. `load_checkpoint` then materialises the model and copies the tensors in
-(memory-mapped reads, converted to the run dtype). Every problem raises `CheckpointError` with a
-one-line message naming the file. Nothing in the directory is executed (`auto_map` is ignored) and
+safetensors header against its file size, the layer and expert counts of config.json against the
+tensors the headers hold, config.json's integers against sanity limits, and every tensor name and
+shape against a meta-device instance of the model. `load_checkpoint` then checks the weights fit in
+RAM (on CPU), materialises the model and copies the tensors in (memory-mapped reads, converted to
+the run dtype). Every checkpoint problem raises `CheckpointError` with a one-line message naming the
+file (and the key of config.json). Nothing in the directory is executed (`auto_map` is ignored) and
 nothing is written there.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import struct
 import sys
 import time
@@ -27,6 +30,7 @@ from tqdm import tqdm
 
 from tandem.models.base import CausalLM
 from tandem.models.registry import get_model_class, supported_model_types
+from tandem.tokenizer import describe_json
 
 logger = logging.getLogger("tandem")
 
@@ -38,6 +42,30 @@ _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }  # fmt: skip
+
+
+# Sanity limits on config.json's integers: key -> (smallest, largest). The largest are several
+# times the biggest released models (noted per key), so no real checkpoint comes near them, while
+# a typo or a corrupted file is refused in one line instead of building a model for minutes.
+CONFIG_INT_LIMITS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, 1024),  # deepest: Llama-3.1-405B 126, Qwen3-235B 94, DeepSeek-V3 61
+    "hidden_size": (1, 65536),  # widest: Nemotron-4-340B 18432, Llama-3.1-405B 16384, DeepSeek 7168
+    "intermediate_size": (1, 262144),  # Nemotron-4-340B 73728, Llama-3.1-405B 53248, DeepSeek 18432
+    "moe_intermediate_size": (1, 262144),  # per expert: DeepSeek-V3 2048, Qwen3-235B 1536
+    "num_attention_heads": (1, 1024),  # DeepSeek-V3 / Llama-3.1-405B 128
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 1024),  # Gemma 256, DeepSeek MLA 192, Qwen3 128
+    "num_experts": (0, 16384),  # 0: dense; Qwen3-Next 512, Kimi-K2 384, DeepSeek-V3 256, Qwen3 128
+    "num_local_experts": (0, 16384),
+    "num_experts_per_tok": (1, 1024),  # 8-10 in released models
+    "decoder_sparse_step": (1, 1024),  # at most the layer count
+    "vocab_size": (1, 1 << 22),  # largest: Gemma-3 262144, Qwen3 151936, DeepSeek 129280
+    "max_position_embeddings": (1, 1 << 26),  # longest: Llama-4-Scout 10M, DeepSeek-V4 1M, Qwen3 256K
+}  # fmt: skip
+CONFIG_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "use_sliding_window")
+CONFIG_POSITIVE_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # model.layers.N.* (HF) and layers.N.* (native)
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")  # mlp.experts.E.* (per-expert tensors)
 
 
 class CheckpointError(Exception):
@@ -96,11 +124,91 @@ def _read_config(model_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: missing config.json; is this an HF-format model directory?")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
         raise CheckpointError(f"{path}: cannot parse config.json ({e})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config.json is not a JSON object")
     return config
+
+
+def check_config(config: dict[str, Any], path: Path) -> None:
+    """Refuse config.json values no model has, before anything is built from them: integers of the
+    wrong type or outside `CONFIG_INT_LIMITS`, non-boolean flags, non-positive epsilons; and
+    head counts that do not divide. Absent (or null) keys are left to the architecture."""
+    for key, (low, high) in CONFIG_INT_LIMITS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise CheckpointError(f"{path}: {key} must be an integer, got {describe_json(value)}")
+        shown = describe_json(value).removeprefix("the number ")  # a 400-digit number is cut short
+        if value < low:
+            raise CheckpointError(f"{path}: {key} {shown} must be {'positive' if low else 'non-negative'}")
+        if value > high:
+            raise CheckpointError(f"{path}: {key} {shown} is above the limit of {high} (far beyond any "
+                                  "released model); is config.json corrupt?")  # fmt: skip
+    for key in CONFIG_BOOL_KEYS:
+        value = config.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise CheckpointError(f"{path}: {key} must be true or false, got {describe_json(value)}")
+    for key in CONFIG_POSITIVE_FLOAT_KEYS:
+        value = config.get(key)
+        if value is not None and not _positive_finite(value):
+            raise CheckpointError(f"{path}: {key} must be a finite positive number, got {describe_json(value)}")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise CheckpointError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                              f"{kv_heads} (each KV head serves a whole group of query heads)")  # fmt: skip
+    head_dim = config.get("head_dim")
+    if head_dim and head_dim % 2:
+        raise CheckpointError(f"{path}: head_dim {head_dim} must be even (rotary embedding rotates pairs)")
+
+
+def _positive_finite(value: Any) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return 0 < float(value) < math.inf  # NaN fails too
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+def _indices(pattern: re.Pattern[str], names: Any) -> set[int]:
+    return {int(m.group(1)) for name in names if (m := pattern.search(name))}
+
+
+def _covers(indices: set[int], n: Any) -> bool:
+    """indices include 0..n-1 (checked without building range(n): n may be absurd). A count that
+    is not an integer passes here: `check_config` refuses it with the key's name."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        return True
+    return n <= len(indices) and all(i in indices for i in range(n))
+
+
+def _held(indices: set[int], what: str) -> str:
+    """'layers 0..3', '3 layers (0, 1, 5)' or 'no layer tensors'."""
+    if not indices:
+        return f"no {what} tensors"
+    if len(indices) == max(indices) + 1:
+        return f"{what}s 0..{max(indices)}"
+    first = sorted(indices)
+    more = ", ..." if len(first) > 4 else ""
+    return f"{len(first)} {what}s ({', '.join(map(str, first[:4]))}{more})"
+
+
+def check_layout(config: dict[str, Any], tensors: dict[str, TensorEntry], model_dir: Path) -> None:
+    """Compare the layer and expert counts config.json promises with the tensors the safetensors
+    headers hold, before a model is built: building 200000 layers (even on the meta device) takes
+    minutes and gigabytes, while the headers answer at once."""
+    layers = config.get("num_hidden_layers")
+    if not _covers(held := _indices(_LAYER_INDEX, tensors), layers):
+        raise CheckpointError(f"{model_dir}: config.json says num_hidden_layers {layers} but the safetensors hold "
+                              f"{_held(held, 'layer')}; does config.json belong to these weights?")  # fmt: skip
+    key = next((k for k in ("num_experts", "num_local_experts") if config.get(k)), None)
+    experts = config.get(key) if key else None
+    if not _covers(held := _indices(_EXPERT_INDEX, tensors), experts):
+        raise CheckpointError(f"{model_dir}: config.json says {key} {experts} but the safetensors hold "
+                              f"{_held(held, 'expert')}; does config.json belong to these weights?")  # fmt: skip
 
 
 def _weight_files(model_dir: Path) -> tuple[tuple[Path, ...], dict[str, str] | None]:
@@ -111,7 +219,7 @@ def _weight_files(model_dir: Path) -> tuple[tuple[Path, ...], dict[str, str] | N
             weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index_path}: cannot read the shard index ({e})") from None
         shards = sorted(set(weight_map.values()))
         for shard in shards:
@@ -196,7 +304,7 @@ def _build_model(cls: type[CausalLM], config: dict[str, Any], dtype: torch.dtype
     try:
         with torch.device("meta"):
             return cls(config, dtype)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise CheckpointError(f"{config_path}: {e}") from None
 
 
@@ -243,10 +351,43 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
                               f"supported: {', '.join(supported_model_types())}")  # fmt: skip
     files, weight_map = _weight_files(model_dir)
     tensors = _read_tensor_index(files, weight_map)
+    check_layout(config, tensors, model_dir)  # first: a config for other weights is the likelier cause
+    check_config(config, model_dir / "config.json")
     model = _build_model(get_model_class(model_type), config, torch.float32, model_dir / "config.json")
     unused = _match_tensors(model, tensors, config, model_dir)
     total = sum(e.nbytes for n, e in tensors.items() if n not in unused)
     return CheckpointInfo(model_dir, config, model_type, files, tensors, unused, total)
+
+
+def available_host_memory() -> int | None:
+    """Bytes of RAM this process can still allocate: MemAvailable of /proc/meminfo, at most the
+    cgroup (v2) memory limit inside a container. None where neither exists (not Linux)."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        # The limit, not limit - memory.current: the current charge includes page cache the kernel
+        # reclaims (a just-downloaded checkpoint), so it would refuse loads that fit.
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            available = int(limit) if available is None else min(available, int(limit))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_host_memory(nbytes: int, what: str, advice: str) -> None:
+    """Raise MemoryError (one line: the need, what is available, what to change) when `nbytes`
+    more bytes of RAM cannot be had; say nothing where the available memory is unknown."""
+    available = available_host_memory()
+    if available is not None and nbytes > available:
+        raise MemoryError(f"{what} need {nbytes / 2**30:.2f} GiB but this machine has {max(available, 0) / 2**30:.2f} "
+                          f"GiB of RAM available (MemAvailable / cgroup limit); {advice}")  # fmt: skip
 
 
 def _reset_buffers(model: torch.nn.Module) -> None:
@@ -273,6 +414,10 @@ def load_checkpoint(
     start = time.perf_counter()
     info = inspect_checkpoint(model_dir)
     model = _build_model(info.model_class, info.config, dtype, info.model_dir / "config.json")
+    if torch.device(device).type == "cpu":  # on CUDA the engine checks the GPU before loading
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        check_host_memory(nbytes, f"{info.model_dir}: the weights in {str(dtype).removeprefix('torch.')}",
+                          "free memory, load in a smaller --dtype or use a smaller model")
     model.to_empty(device=device)
     _reset_buffers(model)
     model.eval()

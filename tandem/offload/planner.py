@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from tandem.kv.spec import group_layers
-from tandem.models.loader import inspect_checkpoint
+from tandem.models.loader import CheckpointError, available_host_memory, inspect_checkpoint
+from tandem.tokenizer import Tokenizer, TokenizerError
 
 GiB = 1024**3
 DEFAULT_CPU_KV_MEMORY = 4 * GiB  # as vLLM's CPU backend: KV space is a fixed budget on CPU
@@ -100,8 +101,13 @@ def plan_memory(
     device_bytes: int | None = None,
 ) -> MemoryPlan:
     """Plan without touching device memory. On CUDA, `device_bytes` is the GPU's memory (the
-    current device's when None)."""
+    current device's when None). A checkpoint `tandem serve` would refuse (its weights, config.json
+    or tokenizer files) raises CheckpointError with the same one-line message."""
     info = inspect_checkpoint(model_dir)  # validates the checkpoint; builds only a meta model
+    try:
+        Tokenizer.from_dir(model_dir)  # as the engine does first: generation_config.json's defaults too
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
     for name, entry in info.tensors.items():
@@ -138,8 +144,20 @@ def plan_memory(
         kv_tokens = kv_blocks(budget, kv_per_token * block_size, max_len, block_size, max_num_seqs) * block_size
     except MemoryError as e:
         problems.append(str(e))
+    if device == "cpu":
+        problems += _host_memory_problems(sum(weights.values()), kv_tokens * kv_per_token)
     return MemoryPlan(Path(model_dir), info.model_type, dtype, device, weights, kv_per_token, max_len,
                       max_num_seqs, device_bytes, activation, budget, kv_tokens, problems)
+
+
+def _host_memory_problems(weights_bytes: int, kv_bytes: int) -> list[str]:
+    """On CPU the weights and the KV cache both live in this machine's RAM."""
+    available = available_host_memory()
+    if available is None or weights_bytes + kv_bytes <= available:
+        return []
+    return [f"the weights ({weights_bytes / GiB:.2f} GiB) and the KV cache ({kv_bytes / GiB:.2f} GiB) need "
+            f"{(weights_bytes + kv_bytes) / GiB:.2f} GiB but this machine has {available / GiB:.2f} GiB of RAM "
+            "available; free memory, lower --kv-cache-memory, use a smaller --dtype or a smaller model"]  # fmt: skip
 
 
 def _activation_estimate(config: dict, tokens: int, max_num_seqs: int, elem: int) -> int:
