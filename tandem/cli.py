@@ -33,6 +33,7 @@ from tandem.config import (
     resolve_device,
     resolve_dtype,
 )
+from tandem.core import SEED_END, SEED_MIN
 
 logger = logging.getLogger("tandem")
 
@@ -92,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help='defaults for chat_template_kwargs, e.g. \'{"enable_thinking": false}\'')
     s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                    help="seconds running requests may finish after SIGINT/SIGTERM")
+    s.add_argument("--max-n", type=int, default=ServerConfig.max_n,
+                   help=f"most choices (`n`) one request may ask for (default {ServerConfig.max_n})")
+    s.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts,
+                   help=f"most prompts in one /v1/completions request (default {ServerConfig.max_prompts})")
+    s.add_argument("--chat-template-timeout", type=float, default=ServerConfig.render_timeout, metavar="SECONDS",
+                   help="a chat template render that runs longer is stopped and the request gets HTTP 400 "
+                        f"(default {ServerConfig.render_timeout:g})")
+    s.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch threads for CPU work (default: the cores this process may use, less one for the "
+                        "server thread)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p = sub.add_parser("plan", help="print where weights and KV cache go, and whether it fits, without loading")
     p.add_argument("model", nargs="?", default=None,
@@ -160,6 +171,12 @@ def build_configs(args: argparse.Namespace, model_dir: str) -> tuple[EngineConfi
         raise ValueError("--port must be in 0..65535")
     if args.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be non-negative")
+    if args.max_n < 1 or args.max_prompts_per_request < 1:
+        raise ValueError("--max-n and --max-prompts-per-request must be at least 1")
+    if not SEED_MIN <= args.seed < SEED_END:
+        raise ValueError(f"--seed must be in [-2^63, 2^64), got {args.seed}")
+    if not args.chat_template_timeout > 0:
+        raise ValueError("--chat-template-timeout must be positive")
     model = ModelConfig(
         model=model_dir,
         dtype=resolve_dtype(args.dtype, device),
@@ -187,8 +204,12 @@ def build_configs(args: argparse.Namespace, model_dir: str) -> tuple[EngineConfi
         reasoning_parser=parser,
         default_chat_template_kwargs=_json_object(args.default_chat_template_kwargs, "--default-chat-template-kwargs"),
         shutdown_timeout=args.shutdown_timeout,
+        max_n=args.max_n,
+        max_prompts=args.max_prompts_per_request,
+        render_timeout=args.chat_template_timeout,
     )
-    runner = RunnerConfig(args.attention_backend, args.moe_backend, args.enforce_eager, args.fused_ops)
+    runner = RunnerConfig(args.attention_backend, args.moe_backend, args.enforce_eager, args.fused_ops,
+                          args.cpu_threads)
     return EngineConfig(model=model, cache=cache, scheduler=scheduler, runner=runner), server
 
 
@@ -234,9 +255,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def uvicorn_config(app: Any, cfg: ServerConfig, log_level: str):
     import uvicorn
 
+    from tandem.server.h11_protocol import TandemH11Protocol
+
     return uvicorn.Config(
         app,
-        http="h11",  # the header size limit below is h11's
+        http=TandemH11Protocol,  # h11, answering what it cannot parse in OpenAI's error JSON (431, 400)
         h11_max_incomplete_event_size=cfg.max_header_bytes,
         # A backstop: the engine ends unfinished requests after shutdown_timeout itself.
         timeout_graceful_shutdown=cfg.shutdown_timeout + 5.0,
@@ -280,25 +303,41 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, builtin: bo
     loading = _load_engine_in_thread(engine_cfg, builtin)
     await asyncio.wait({serving, loading}, return_when=asyncio.FIRST_COMPLETED)
     engine, status = None, 0
-    if loading.done() and not serving.done():
-        try:
-            engine = loading.result()
-            engine.start()
-            attach_engine(app, engine, engine_cfg.model.chat_template)
-            logger.info("Ready: serving %s on http://%s:%d", engine.model_name, server_cfg.host, sock.getsockname()[1])
-        except Exception as e:  # noqa: BLE001 - any load failure (incl. ChatTemplateError) ends the server
-            logger.error("Could not start the engine: %s", e)
-            mark_load_failed(app, str(e))
-            server.should_exit = True
-            status = 1
-        if engine is not None:
-            await _until_exit_requested(server, serving)
-            # uvicorn has stopped accepting; running requests get --shutdown-timeout to finish, then
-            # the engine aborts them (their streams end) while uvicorn waits for the connections.
-            await engine.shutdown(server_cfg.shutdown_timeout)
-        await serving
-    elif not loading.done():
-        loading.cancel()
+    fatal: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def on_fatal(reason: str) -> None:  # the engine thread: it cannot go on, so the process ends
+        fatal.append(reason)
+        loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+
+    try:
+        if loading.done() and not serving.done():
+            try:
+                engine = loading.result()
+                engine.on_fatal = on_fatal
+                engine.start()
+                attach_engine(app, engine, engine_cfg.model.chat_template)
+                logger.info("Ready: serving %s on http://%s:%d", engine.model_name, server_cfg.host,
+                            sock.getsockname()[1])
+            except Exception as e:  # noqa: BLE001 - any load failure (incl. ChatTemplateError) ends the server
+                logger.error("Could not start the engine: %s", e)
+                mark_load_failed(app, str(e))
+                server.should_exit = True
+                status = 1
+            if engine is not None:
+                await _until_exit_requested(server, serving)
+                # uvicorn has stopped accepting; running requests get --shutdown-timeout to finish, then
+                # the engine aborts them (their streams end) while uvicorn waits for the connections.
+                await engine.shutdown(server_cfg.shutdown_timeout)
+            await serving
+        elif not loading.done():
+            loading.cancel()
+    finally:
+        app.state.tandem.close()
+    if fatal:
+        logger.error("The engine cannot go on (%s); exiting with status 1 so that a supervisor restarts Tandem",
+                     fatal[0])
+        status = 1
     return status
 
 

@@ -21,7 +21,9 @@ from tandem.config import ServerConfig
 from tandem.server import errors
 from tandem.server.chat_template import ChatRenderError, ChatTemplate, ChatTemplateError, resolve_template_source
 from tandem.server.errors import APIError
+from tandem.server.protocol import REQUEST_BODIES, chat_template_inputs
 from tandem.server.reasoning import ReasoningParser, get_reasoning_parser
+from tandem.server.text_workers import TextWorkers, TokenizeError
 
 logger = logging.getLogger("tandem.server")
 
@@ -37,6 +39,7 @@ class ServerState:
     chat_template: ChatTemplate | None = None
     chat_template_error: str | None = None
     reasoning_parser: type[ReasoningParser] | None = None
+    text_workers: TextWorkers | None = None  # chat templates and tokenizer, off the event loop
     load_error: str | None = None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     http_requests: Counter | None = None
@@ -59,20 +62,44 @@ class ServerState:
             raise errors.bad_request(self.chat_template_error or "no chat template is loaded")
         return self.chat_template
 
-    def render_chat(self, req: Any) -> str:
-        """The prompt text of a chat request (chat completions and /tokenize render alike), from its
-        `messages`, `tools`, `add_generation_prompt`, `continue_final_message` and
-        `chat_template_kwargs`. A template error is the client's: HTTP 400."""
+    def _text(self) -> TextWorkers:
+        """The worker processes that render and tokenize for the routes."""
+        self.ready_engine()
+        assert self.text_workers is not None, "attach_engine starts the text workers with the engine"
+        return self.text_workers
+
+    async def encode(self, texts: list[str], add_special_tokens: bool, param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text, tokenized in a worker process; untokenizable text is HTTP 400."""
         try:
-            return self.template().render(
-                [m.model_dump(exclude_none=True) for m in req.messages],
-                tools=req.tools,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                kwargs=req.chat_template_kwargs,
+            return await self._text().encode(texts, add_special_tokens)
+        except TokenizeError as e:
+            raise errors.bad_request(str(e), param) from e
+
+    async def decode(self, ids: list[int], param: str = "tokens") -> str:
+        """The text of token ids, decoded in a worker process."""
+        try:
+            return await self._text().decode(ids)
+        except TokenizeError as e:
+            raise errors.bad_request(str(e), param) from e
+
+    async def render_chat(self, req: Any) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a chat request (chat completions and /tokenize render
+        alike), from its `messages`, `tools`, `add_generation_prompt`, `continue_final_message` and
+        `chat_template_kwargs`, rendered in a worker process. A template error, or a render that runs
+        past --chat-template-timeout, is the client's: HTTP 400."""
+        self.template()  # no template: a clear 400 before any work
+        messages, tools = chat_template_inputs(req)
+        try:
+            return await self._text().render_chat(
+                messages, tools, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
             )
         except ChatRenderError as e:
             raise errors.bad_request(str(e), "messages") from e
+
+    def close(self) -> None:
+        """Stop the worker processes (the server is exiting)."""
+        if self.text_workers is not None:
+            self.text_workers.close()
 
 
 def state_of(request: Request) -> ServerState:
@@ -98,6 +125,12 @@ def attach_engine(app: FastAPI, engine: Any, chat_template: str | None = None) -
             raise
         state.chat_template_error = str(e)
         logger.warning("%s", e)
+    template = state.chat_template
+    state.text_workers = TextWorkers(
+        tok.model_dir, template.source if template else None, tok.bos_token, tok.eos_token,
+        state.cfg.default_chat_template_kwargs, num_workers=state.cfg.text_workers,
+        render_timeout=state.cfg.render_timeout, max_model_len=engine.max_model_len,
+    )
     state.engine = engine
 
 
@@ -124,14 +157,16 @@ async def _no_receive() -> Message:  # pragma: no cover - responses never read
 
 
 class ApiKeyMiddleware:
-    """Every route but OPEN_PATHS needs `Authorization: Bearer <key>`."""
+    """Every method on every path but OPEN_PATHS needs `Authorization: Bearer <key>` (OPTIONS too:
+    its 404/405 answers would tell a stranger which routes exist). The comparison takes the same
+    time however much of the key is right."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 await _send_error(send, errors.unauthorized())
@@ -233,17 +268,41 @@ def _install_error_handlers(app: FastAPI) -> None:
         return APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception):
-        logger.exception("Unhandled error in a request")
-        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+    async def _internal_error(request: Request, exc: Exception):
+        return errors.internal_error(f"{request.method} {request.url.path}", exc).response()
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """/openapi.json with the request bodies' schemas: the routes parse their bodies themselves (to
+    bound the JSON first), so FastAPI cannot see the models; they are added here."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in REQUEST_BODIES.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                }
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # FastAPI's documented way to customise the schema
 
 
 def create_app(engine: Any = None, server_cfg: ServerConfig | None = None, chat_template: str | None = None) -> FastAPI:
     """Build the app. With `engine=None` it serves /health 503 until `attach_engine` is called."""
+    import tandem
     from tandem.server import routes_misc, routes_openai
 
     cfg = server_cfg or ServerConfig()
-    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Tandem", version=tandem.__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     state = ServerState(cfg)
     if cfg.reasoning_parser:
         state.reasoning_parser = get_reasoning_parser(cfg.reasoning_parser)
@@ -254,6 +313,7 @@ def create_app(engine: Any = None, server_cfg: ServerConfig | None = None, chat_
     app.include_router(routes_openai.router)
     app.include_router(routes_misc.router)
     _install_error_handlers(app)
+    _install_openapi(app)
     routes = frozenset(r.path for router in (routes_openai.router, routes_misc.router) for r in router.routes)
     # Added last = outermost: responses are counted, then the API key is checked, then sizes.
     app.add_middleware(RequestSizeLimitMiddleware, limit=cfg.max_request_body_bytes, header_limit=cfg.max_header_bytes)

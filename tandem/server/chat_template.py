@@ -8,6 +8,7 @@ a checkpoint cannot run code.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,36 @@ class ChatTemplateError(ValueError):
 
 class ChatRenderError(ValueError):
     """Rendering failed for this request's messages (served as HTTP 400)."""
+
+
+_MAX_MESSAGE_CHARS = 300  # error messages quote the failure, never a request's whole text
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_error(text: str) -> str | None:
+    """What is wrong with `text` if it holds a lone UTF-16 surrogate (JSON's "\\ud800" parses to
+    one): such text has no UTF-8 form, so it can be neither tokenized nor sent back."""
+    bad = _LONE_SURROGATE.search(text)
+    if bad is None:
+        return None
+    return (f"the text holds a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at character {bad.start()}, "
+            "which is not valid Unicode; send surrogates in pairs (or the character itself)")
+
+
+def _short(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if len(text) <= _MAX_MESSAGE_CHARS else text[: _MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def _render_failure(e: Exception) -> ChatRenderError:
+    """Every way rendering can fail on a request's input, as the one error the server serves as 400."""
+    if isinstance(e, RecursionError):
+        return ChatRenderError("the chat template recursed too deeply (messages or tools nested too deeply?)")
+    if isinstance(e, MemoryError):
+        return ChatRenderError("the chat template ran out of memory rendering these messages")
+    if isinstance(e, (jinja2.exceptions.TemplateError, OverflowError)):  # OverflowError: "Range too big"
+        return ChatRenderError(f"chat template error: {_short(e)}")
+    return ChatRenderError(f"chat template could not render these messages: {type(e).__name__}: {_short(e)}")
 
 
 def _raise_exception(message: str) -> None:
@@ -71,6 +102,8 @@ def _message_text(content: Any) -> str | None:
     (Qwen3's included) expect a string."""
     if content is None or isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise ChatRenderError(f"message content must be a string or a list of parts, not {type(content).__name__}")
     texts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -86,22 +119,36 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         raise ChatRenderError("messages must hold at least one message")
     out = []
     for msg in messages:
+        if not isinstance(msg, dict):
+            raise ChatRenderError(f"each message must be an object, not {type(msg).__name__}")
         msg = {k: v for k, v in msg.items() if v is not None}
         msg["content"] = _message_text(msg.get("content"))
         if msg.get("tool_calls"):
-            # OpenAI sends arguments as a JSON string; templates (Qwen3's) print them with tojson.
-            calls = []
-            for call in msg["tool_calls"]:
-                fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        pass
-                calls.append({**call, "function": fn})
-            msg["tool_calls"] = calls
+            msg["tool_calls"] = [_tool_call(call) for call in _as_list(msg["tool_calls"], "tool_calls")]
         out.append(msg)
     return out
+
+
+def _as_list(value: Any, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise ChatRenderError(f"{what} must be a list, not {type(value).__name__}")
+    return value
+
+
+def _tool_call(call: Any) -> dict[str, Any]:
+    """OpenAI sends arguments as a JSON string; templates (Qwen3's) print them with tojson, so they
+    get the parsed object. Arguments that are not JSON stay the string they are."""
+    if not isinstance(call, dict) or not isinstance(call.get("function") or {}, dict):
+        raise ChatRenderError("each tool call must be an object with a \"function\" object")
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except RecursionError:
+            raise ChatRenderError("tool call arguments are nested too deeply") from None
+        except ValueError:  # not JSON, or an integer of more digits than Python converts
+            pass
+    return {**call, "function": fn}
 
 
 class ChatTemplate:
@@ -118,6 +165,8 @@ class ChatTemplate:
             self.template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template has a syntax error at line {e.lineno}: {e.message}") from e
+        except Exception as e:  # jinja folds constants while compiling: `{{ 10**100000 }}` fails here
+            raise ChatTemplateError(f"chat template cannot be compiled: {type(e).__name__}: {_short(e)}") from e
         self.source = source
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
@@ -132,12 +181,19 @@ class ChatTemplate:
         kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render the prompt text. Request `kwargs` override the server defaults; the fixed inputs
-        (messages, tools, tokens, flags) cannot be overridden by them."""
+        (messages, tools, tokens, flags) cannot be overridden by them.
+
+        Raises ChatRenderError, and only that, for anything the request's input makes fail: the
+        template's own errors, huge ranges, deep nesting, memory, text that is not valid Unicode.
+        It does not bound time: a template may loop for long, so the server renders in
+        `text_workers`, which stops a render that runs too long."""
         messages = normalize_messages(messages)
         if continue_final_message and add_generation_prompt:
             raise ChatRenderError("continue_final_message and add_generation_prompt cannot both be true")
         if continue_final_message and messages[-1].get("role") != "assistant":
             raise ChatRenderError("continue_final_message needs the last message to be from the assistant")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ChatRenderError(f"chat_template_kwargs must be an object, not {type(kwargs).__name__}")
         variables = {**self.default_kwargs, **(kwargs or {})}
         variables.update(
             messages=messages,
@@ -148,10 +204,10 @@ class ChatTemplate:
         )
         try:
             text = self.template.render(**variables)
-        except jinja2.exceptions.TemplateError as e:
-            raise ChatRenderError(f"chat template error: {e}") from e
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-            raise ChatRenderError(f"chat template could not render these messages: {e}") from e
+        except Exception as e:  # a template is a program over the request: any error is the request's
+            raise _render_failure(e) from None
+        if (bad := lone_surrogate_error(text)) is not None:
+            raise ChatRenderError(f"the rendered prompt is not valid text: {bad}")
         if continue_final_message:
             # Cut the template's end-of-turn after the final assistant message, so the model continues it.
             last = messages[-1].get("content") or ""

@@ -6,9 +6,13 @@ FastAPI's validation errors and the engine's `ParamError` into this JSON with th
 
 from __future__ import annotations
 
+import logging
+import uuid
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
+
+logger = logging.getLogger("tandem.server")
 
 # The issue asks for 400 on an unknown model name (vLLM answers 404 NotFoundError); one constant so
 # it is a one-line change if that ever needs to follow vLLM instead.
@@ -81,6 +85,25 @@ def queue_full() -> APIError:
 
 def engine_unavailable(reason: str) -> APIError:
     return APIError(HTTPStatus.SERVICE_UNAVAILABLE, reason)
+
+
+def internal_error(where: str, exc: BaseException) -> APIError:
+    """A bug or an unexpected failure: the traceback goes to the log under an error id, the client
+    gets the id and no internals."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("Internal error %s in %s", error_id, where, exc_info=exc)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error (logged as {error_id})")
+
+
+def request_failed(message: str) -> APIError:
+    """The engine failed while running this request (other requests go on)."""
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, message)
+
+
+def request_aborted() -> APIError:
+    """A non-streaming request the server ended before it finished (shutdown)."""
+    return APIError(HTTPStatus.SERVICE_UNAVAILABLE, "The request was aborted: the server is shutting down; retry it",
+                    headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)})
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -81,20 +81,6 @@ def per_choice_seed(params: SamplingParams, k: int) -> SamplingParams:
     return dataclasses.replace(params, seed=params.seed + k)
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """Refuse what cannot fit, in vLLM's words, before the request reaches the engine."""
-    if num_prompt_tokens == 0:
-        raise errors.bad_request("The prompt is empty; send at least one token", "prompt")
-    completion = max_tokens if max_tokens is not None else 0
-    if num_prompt_tokens + completion > max_model_len or num_prompt_tokens >= max_model_len:
-        raise errors.bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + completion} tokens ({num_prompt_tokens} in the messages, {completion} in the "
-            "completion). Please reduce the length of the messages or completion.",
-            "max_tokens" if max_tokens is not None and num_prompt_tokens < max_model_len else "messages",
-        )
-
-
 def check_n(n: int, max_n: int) -> None:
     if not 1 <= n <= max_n:
         raise errors.bad_request(f"n must be between 1 and {max_n} (the server's limit), got {n}", "n")
@@ -108,9 +94,7 @@ def engine_error(e: Exception) -> APIError:
         return errors.queue_full()
     if isinstance(e, EngineDeadError):
         return errors.engine_unavailable(str(e))
-    if isinstance(e, ValueError):
-        return errors.bad_request(str(e))
-    return APIError(500, f"internal error: {e!r}")
+    return errors.internal_error("starting a request", e)
 
 
 # ---- streams ------------------------------------------------------------------------------------

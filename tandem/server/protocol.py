@@ -13,17 +13,29 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Request bodies: unknown fields are ignored (OpenAI clients send some Tandem does not use);
+    known ones are strict, as OpenAI's API is: no string-to-number or number-to-bool coercion."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Open(_Request):
+    """A request object whose unknown fields are kept and handed to the chat template (agents send
+    back e.g. `reasoning_content`; tool definitions carry fields some templates print)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Request):
     """Sampling fields shared by /v1/completions and /v1/chat/completions.
 
     None means "not given": the checkpoint's generation_config.json default applies, then Tandem's.
+    Their ranges are checked where they are used, by the engine (`SamplingParams`).
     """
 
     model: str | None = None
@@ -56,22 +68,67 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Open):
+    """One part of a message's content. Only text parts can be rendered (the chat template says so
+    with a 400); other kinds are recognised here so that their error names the part."""
+
+    type: str
+    text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(_Request):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; some clients send the object
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Open):
     """One chat message. Extra fields (e.g. `reasoning_content` sent back by agents) are kept and
     handed to the chat template, which may use them."""
 
-    model_config = ConfigDict(extra="allow")
-
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Open):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -79,8 +136,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -93,13 +152,29 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+def chat_template_inputs(req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A chat request's messages and tools as the plain data a chat template reads (fields the
+    client did not send are left out)."""
+    messages = [m.model_dump(exclude_none=True) for m in req.messages or ()]
+    return messages, [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
+
+
+# The body each POST route parses (for /openapi.json).
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
 
 
 # ---------------------------------------------------------------------------------------------

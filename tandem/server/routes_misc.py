@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 import tandem
 from tandem.server import errors
 from tandem.server.app import ServerState, state_of
+from tandem.server.body import InvalidBody, parse_json_object
 from tandem.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -25,20 +26,29 @@ router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
 
 
+# Bodies larger than this are parsed and validated on a worker thread, so that a 16 MiB body does
+# not hold the event loop for the ~0.1 s its parse takes.
+INLINE_PARSE_BYTES = 256 * 1024
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
-    """Read and validate a JSON body; malformed JSON or invalid fields -> HTTP 400."""
+    """Read and validate a JSON body; malformed JSON, JSON past the server's bounds or invalid
+    fields -> HTTP 400 naming the parameter."""
     raw = await request.body()
+    max_depth = state_of(request).cfg.max_json_depth
+    if len(raw) <= INLINE_PARSE_BYTES:
+        return _validate(raw, model, max_depth)
+    return await asyncio.to_thread(_validate, raw, model, max_depth)
+
+
+def _validate(raw: bytes, model: type[M], max_depth: int) -> M:
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise errors.bad_request(f"The request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise errors.bad_request("The request body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate(parse_json_object(raw, max_depth))
+    except InvalidBody as e:
+        raise errors.bad_request(str(e)) from None
     except ValidationError as e:
         message, param = errors.validation_message(list(e.errors(include_url=False)))
-        raise errors.bad_request(message, param) from e
+        raise errors.bad_request(message, param) from None
 
 
 async def parse_model_request(request: Request, model: type[M]) -> tuple[ServerState, M]:
@@ -79,8 +89,9 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     engine = state_of(request).ready_engine()
-    root = str(getattr(engine.tokenizer, "model_dir", "")) or None
-    card = ModelCard(id=engine.model_name, root=root, max_model_len=engine.max_model_len)
+    # `root` is the served name, as vLLM gives it: the checkpoint's path on this machine is not the
+    # client's business.
+    card = ModelCard(id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len)
     return json_response(ModelList(data=[card]))
 
 
@@ -91,9 +102,9 @@ async def tokenize(request: Request) -> Response:
     if (req.prompt is None) == (req.messages is None):
         raise errors.bad_request("send exactly one of `prompt` or `messages`", "prompt")
     if req.messages is not None:
-        tokens = engine.tokenizer.encode(state.render_chat(req), add_special_tokens=False)
+        _, tokens = await state.render_chat(req)
     else:
-        tokens = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        [tokens] = await state.encode([req.prompt], req.add_special_tokens)
     return json_response(TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens))
 
 
@@ -103,4 +114,4 @@ async def detokenize(request: Request) -> Response:
     tok = state.engine.tokenizer
     if any(t < 0 or t >= tok.vocab_size for t in req.tokens):
         raise errors.bad_request(f"token ids must be in [0, {tok.vocab_size})", "tokens")
-    return json_response(DetokenizeResponse(prompt=tok.decode(req.tokens)))
+    return json_response(DetokenizeResponse(prompt=await state.decode(req.tokens)))

@@ -17,7 +17,6 @@ from tandem.server.generation import (
     ClientDisconnected,
     build_sampling_params,
     chat_logprobs,
-    check_context,
     check_n,
     completion_logprobs,
     merge_streams,
@@ -63,8 +62,10 @@ class _Choice:
     num_output_tokens: int = 0
 
     def add(self, out: RequestOutput) -> None:
-        if out.finish_reason == "error":  # the engine refused it (e.g. it can never fit the KV cache)
-            raise errors.bad_request(out.error or "the engine could not run this request")
+        if out.finish_reason == "error":
+            raise request_error(out)
+        if out.finish_reason == "abort":  # ended by the server (shutdown), not by this client
+            raise errors.request_aborted()
         self.text += out.new_text
         self.logprobs.extend(out.logprobs or ())
         self.num_prompt_tokens = out.num_prompt_tokens
@@ -95,8 +96,15 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[_Choice]
     return choices
 
 
+def request_error(out: RequestOutput) -> APIError:
+    """The error of a request the engine ended with finish_reason "error": the client's (it can
+    never fit the KV cache: 400) or the engine's (it failed while running it: 500)."""
+    message = out.error or "the engine could not run this request"
+    return errors.request_failed(message) if out.error_kind == "internal" else errors.bad_request(message)
+
+
 def _error_event(e: Exception) -> str:
-    err = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
+    err = e if isinstance(e, APIError) else errors.internal_error("a response stream", e)
     return f"data: {json.dumps(err.to_dict())}\n\n"
 
 
@@ -107,8 +115,9 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 # ---- /v1/completions ----------------------------------------------------------------------------
 
 
-def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list[int]]:
-    tok = state.engine.tokenizer
+async def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list[int]]:
+    """The token ids of each prompt (strings tokenized off the event loop). Their ids and lengths
+    are checked by the engine when the requests start."""
     prompt = req.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -116,13 +125,13 @@ def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list
         raise errors.bad_request("prompt must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
-    out = []
-    for p in prompt:
-        ids = tok.encode(p, add_special_tokens=req.add_special_tokens) if isinstance(p, str) else list(p)
-        if any(t < 0 or t >= tok.vocab_size for t in ids):
-            raise errors.bad_request(f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
-        out.append(ids)
-    return out
+    limit = state.cfg.max_prompts
+    if len(prompt) > limit:
+        raise errors.bad_request(f"at most {limit} prompts per request (--max-prompts-per-request), got {len(prompt)}",
+                                 "prompt")
+    texts = [p for p in prompt if isinstance(p, str)]
+    encoded = iter(await state.encode(texts, req.add_special_tokens) if texts else ())
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompt]
 
 
 @router.post("/v1/completions")
@@ -132,15 +141,14 @@ async def completions(request: Request) -> Response:
     check_n(req.n, state.cfg.max_n)
     if req.echo and req.logprobs is not None:
         raise errors.bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
-    prompts = _completion_prompts(req, state)
-    for ids in prompts:
-        check_context(len(ids), req.max_tokens, engine.max_model_len)
+    prompts = await _completion_prompts(req, state)
     params = build_sampling_params(
         req, max_tokens=req.max_tokens, logprobs=req.logprobs, defaults=engine.tokenizer.generation_defaults
     )
     rid = new_request_id("cmpl")
     jobs = [(f"{rid}-{p}-{k}", ids, per_choice_seed(params, k)) for p, ids in enumerate(prompts) for k in range(req.n)]
-    echoes = [engine.tokenizer.decode(ids) if req.echo else "" for ids in prompts for _ in range(req.n)]
+    prompt_texts = [await state.decode(ids, "prompt") if req.echo else "" for ids in prompts]
+    echoes = [text for text in prompt_texts for _ in range(req.n)]
     try:
         streams = await unless_disconnected(request, start_streams(engine, jobs))
         if req.stream:
@@ -205,10 +213,8 @@ async def chat_completions(request: Request) -> Response:
     state, req = await parse_model_request(request, ChatCompletionRequest)
     engine = state.engine
     check_n(req.n, state.cfg.max_n)
-    prompt = state.render_chat(req)
-    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    prompt, ids = await state.render_chat(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    check_context(len(ids), max_tokens, engine.max_model_len)
     if req.top_logprobs is not None and not req.logprobs:
         raise errors.bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
