@@ -8,6 +8,7 @@ h11-level 431, and the gauges after a disconnect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serve_proc import start_serve
+from serve_proc import free_port, start_serve
 from test_server import LiveServer, _engine, _error, _wait_idle
 from tandem.builtin import ensure_builtin_model
 from tandem.config import ServerConfig
@@ -400,3 +401,45 @@ def test_a_request_that_makes_the_engine_raise_fails_alone(http, engine, monkeyp
     assert http.get("/health").status_code == 200
     _wait_idle(engine)
     _ok_completion(http)
+
+
+def test_serve_exits_with_status_1_when_the_engine_cannot_go_on(model_dir, monkeypatch) -> None:
+    """`tandem serve`'s own coroutine, with an engine whose every forward pass fails: the requests
+    get 500s, and once the engine gives up (MAX_FAILED_STEPS in a row) the server exits with 1."""
+    from tandem import cli
+    from tandem.engine.async_engine import AsyncEngine
+    from tandem.engine.engine import MAX_FAILED_STEPS
+
+    real = AsyncEngine.from_config.__func__
+
+    def broken(klass, config, **kwargs):
+        engine = real(klass, config, **kwargs)
+
+        def fail(*args, **kw):
+            raise RuntimeError("injected forward failure")
+
+        engine.engine.runner.execute = fail
+        return engine
+
+    monkeypatch.setattr(AsyncEngine, "from_config", classmethod(broken))
+    port = free_port()
+    args = cli.build_parser().parse_args(["serve", str(model_dir), "--port", str(port), "--device", "cpu",
+                                          "--max-model-len", "256", "--kv-cache-memory", "16MiB"])
+    engine_cfg, server_cfg = cli.build_configs(args, str(model_dir))
+    result: dict[str, int] = {}
+    serving = threading.Thread(target=lambda: result.update(status=asyncio.run(
+        cli._serve(engine_cfg, server_cfg, False, "warning"))))
+    serving.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        time.sleep(0.1)
+    for _ in range(MAX_FAILED_STEPS):
+        resp = httpx.post(f"{url}{C}", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert resp.status_code in (500, 503), resp.text
+        assert resp.json()["error"]["code"] == resp.status_code
+    serving.join(60)
+    assert not serving.is_alive() and result["status"] == 1
