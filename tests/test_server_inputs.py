@@ -20,8 +20,7 @@ import httpx
 import pytest
 
 from serve_proc import free_port, start_serve
-from test_server import LiveServer, _engine, _error, _wait_idle
-from tandem.builtin import ensure_builtin_model
+from test_server import LiveServer, _error, _wait_idle, engine, model_dir  # noqa: F401 - the fixtures
 from tandem.config import ServerConfig
 from tandem.core import RequestOutput
 from tandem.server.app import create_app
@@ -38,18 +37,6 @@ TRICK_TEMPLATE = (
     "{% elif messages[0].content == 'range' %}{% for i in range(1000000) %}{% endfor %}"
     "{% else %}<|im_start|>user\n{{ messages[0].content }}<|im_end|>\n<|im_start|>assistant\n{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return ensure_builtin_model(tmp_path_factory.mktemp("builtin"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    eng = _engine(model_dir, max_num_seqs=8)
-    yield eng
-    asyncio.run(eng.shutdown(1.0))
 
 
 CFG = ServerConfig(api_key=API_KEY, max_n=4, max_prompts=8, render_timeout=2.0)
