@@ -18,9 +18,10 @@ from tandem.bench.bracket import verdict
 from tandem.bench.client import BenchClient, parse_spec_counters, spec_delta
 from tandem.bench.filler import filler_prompt, filler_words, fit_to_length
 from tandem.bench.needle import haystack_prompt, make_needle, plant, score
-from tandem.bench.ngram import propose, simulate, simulate_many
+from tandem.bench.ngram import simulate, simulate_many
 from tandem.bench.stats import percentile, summarize
 from tandem.bench.tools.pptg import Case, parse_tests
+from tandem.spec.ngram import propose_ngram as propose
 from serve_proc import free_port, start_serve
 
 # ---- needle scoring ------------------------------------------------------------------------------

@@ -5,16 +5,18 @@ decoding greedily, accepts the longest prefix of the draft that equals the next 
 then emits one token of its own. The simulation therefore gives the *ceiling* of n-gram drafting
 for this traffic: what a lossless prompt-lookup proposer could gain if it cost nothing.
 
-Proposer rule (the common prompt-lookup rule): at each step take the last n tokens of the context
-(prompt + completion so far), for n from `max_n` down to `min_n`; find the most recent earlier
-occurrence of that n-gram in the context; propose the up to K tokens that followed it. No match
-for any n -> no draft, the step decodes one token as usual.
+The proposer is the serving one, `tandem.spec.ngram` (its docstring states the rule): at each step
+it proposes up to K tokens that followed the most recent earlier occurrence of the context's last
+n-gram (prompt + completion so far, longest n first). No draft -> the step decodes one token as
+usual.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from tandem.spec.ngram import NgramIndex
 
 
 @dataclass
@@ -61,27 +63,13 @@ class NgramStats:
         }
 
 
-def propose(context: Sequence[int], k: int, min_n: int = 1, max_n: int = 3) -> list[int]:
-    """Up to k tokens that followed the most recent earlier occurrence of the context's last n-gram
-    (longest n first); [] when nothing matches."""
-    length = len(context)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = list(context[length - n:])
-        # candidate starts: the n-gram must end before the suffix itself starts at length - n
-        for start in range(length - n - 1, -1, -1):
-            if list(context[start:start + n]) == suffix:
-                follow = context[start + n:start + n + k]
-                return list(follow)
-    return []
-
-
 def simulate(prompt: Sequence[int], completion: Sequence[int], k: int, min_n: int = 1, max_n: int = 3) -> NgramStats:
     """Replay one completion with drafts of at most k tokens; see the module docstring."""
     stats = NgramStats(k=k)
-    context = list(prompt)
+    context = NgramIndex(min_n, max_n, prompt)
     i = 0
     while i < len(completion):
-        draft = propose(context, k, min_n, max_n)
+        draft = context.propose(k)
         accepted = 0
         for tok in draft:
             if i + accepted < len(completion) and completion[i + accepted] == tok:
