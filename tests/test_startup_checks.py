@@ -241,3 +241,12 @@ def test_serve_exits_with_one_error_line(pristine, tmp_path, file, changes, expe
     assert len(errors) == 1, out
     assert "Could not start the engine: " in errors[0], out
     assert str(d) in errors[0] and expected in errors[0], out
+
+
+def test_layout_check_counts_per_expert_tensors_and_leaves_fused_experts_to_the_shape_check(tmp_path):
+    names = [f"model.layers.{i}.mlp.experts.{e}.up_proj.weight" for i in range(2) for e in range(4)]
+    loader.check_layout({"num_hidden_layers": 2, "num_experts": 4}, dict.fromkeys(names), tmp_path)
+    with pytest.raises(CheckpointError, match="num_experts 8 but the safetensors hold experts 0..3"):
+        loader.check_layout({"num_hidden_layers": 2, "num_experts": 8}, dict.fromkeys(names), tmp_path)
+    fused = [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(2)]
+    loader.check_layout({"num_hidden_layers": 2, "num_experts": 8}, dict.fromkeys(fused), tmp_path)

@@ -206,7 +206,11 @@ def check_layout(config: dict[str, Any], tensors: dict[str, TensorEntry], model_
                               f"{_held(held, 'layer')}; does config.json belong to these weights?")  # fmt: skip
     key = next((k for k in ("num_experts", "num_local_experts") if config.get(k)), None)
     experts = config.get(key) if key else None
-    if not _covers(held := _indices(_EXPERT_INDEX, tensors), experts):
+    held = _indices(_EXPERT_INDEX, tensors)
+    # Only per-expert layouts (mlp.experts.E.*) can be counted; fused [E, ...] expert tensors are
+    # checked by shape against the model instead (_match_tensors).
+    fused = key is not None and not held and any(".experts." in name for name in tensors)
+    if not fused and not _covers(held, experts):
         raise CheckpointError(f"{model_dir}: config.json says {key} {experts} but the safetensors hold "
                               f"{_held(held, 'expert')}; does config.json belong to these weights?")  # fmt: skip
 
