@@ -29,6 +29,7 @@ from tandem.config import (
     RunnerConfig,
     SchedulerConfig,
     ServerConfig,
+    SpecConfig,
     parse_size,
     resolve_device,
     resolve_dtype,
@@ -103,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch threads for CPU work (default: the cores this process may use, less one for the "
                         "server thread)")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 3}\'; plus "adaptive": "phase" with "phase_k": {"reasoning": 1, '
+                        '"content": 2} for a draft depth per request phase (default: off)')
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p = sub.add_parser("plan", help="print where weights and KV cache go, and whether it fits, without loading")
     p.add_argument("model", nargs="?", default=None,
@@ -210,7 +215,8 @@ def build_configs(args: argparse.Namespace, model_dir: str) -> tuple[EngineConfi
     )
     runner = RunnerConfig(args.attention_backend, args.moe_backend, args.enforce_eager, args.fused_ops,
                           args.cpu_threads)
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler, runner=runner), server
+    spec = SpecConfig.parse(args.speculative_config)
+    return EngineConfig(model=model, cache=cache, scheduler=scheduler, spec=spec, runner=runner), server
 
 
 # ---- serving ------------------------------------------------------------------------------------

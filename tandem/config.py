@@ -133,11 +133,107 @@ class SchedulerConfig:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
 
 
+SPEC_METHODS = ("ngram",)  # wired into the engine
+_SPEC_NOT_WIRED = {
+    "draft_model": "speculative method 'draft_model' is not wired into the engine yet; use 'ngram'",
+    "dspark": "speculative method 'dspark' is not wired into the engine yet; use 'ngram'",
+    "mtp": "speculative method 'mtp' is reserved for DeepSeek-V4's multi-token prediction and does not exist yet",
+}
+SPEC_PHASES = ("reasoning", "content", "tool_call")  # tandem.spec.phase.PHASES
+MAX_SPEC_TOKENS = 8
+_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive",
+              "phase_k")
+
+
+def _spec_int(key: str, value: object, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"--speculative-config: {key} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding (a later issue). `max_k` already sizes the runner's query shapes."""
+    """Speculative decoding, with vLLM's `--speculative-config` keys plus Tandem's `adaptive`.
 
+    method None: off. `num_speculative_tokens` is Kmax, the longest draft; `adaptive` "off" drafts
+    Kmax tokens for every request, "phase" drafts `phase_k[phase]` (0..Kmax; a phase not listed
+    gets Kmax) for a request in that phase (`tandem.spec.phase`). `max_k` sizes the runner's CUDA
+    graph query lengths (1 .. max_k + 1): Kmax when speculating, else what was asked (0: decode only).
+    Build one from JSON or a dict with `SpecConfig.parse`, which checks every key.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    adaptive: str = "off"  # off | phase
+    phase_k: tuple[tuple[str, int], ...] = ()  # (phase, K) pairs
+    model: str | None = None  # the drafter's directory (draft_model / dspark; not wired yet)
     max_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method is not None:
+            object.__setattr__(self, "max_k", max(self.max_k, self.num_speculative_tokens))
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def k_for(self, phase: str) -> int:
+        """The draft depth of a request in `phase` (before the request's own limits)."""
+        if self.adaptive == "phase":
+            return dict(self.phase_k).get(phase, self.num_speculative_tokens)
+        return self.num_speculative_tokens
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None, max_k: int = 0) -> SpecConfig:
+        """`--speculative-config` JSON (or its dict) -> a checked config. Raises ValueError with one
+        line naming the bad key."""
+        if value is None or value == "" or value == {}:
+            return cls(max_k=max_k)
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object, e.g. "
+                             '\'{"method": "ngram", "num_speculative_tokens": 3}\'')
+        unknown = [k for k in value if k not in _SPEC_KEYS]
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}; known keys: {', '.join(_SPEC_KEYS)}")
+        method = value.get("method")
+        if method in _SPEC_NOT_WIRED:
+            raise ValueError(f"--speculative-config: method: {_SPEC_NOT_WIRED[method]}")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"--speculative-config: method must be one of ngram, draft_model, dspark, got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("--speculative-config: num_speculative_tokens (Kmax) is required")
+        kmax = _spec_int("num_speculative_tokens", value["num_speculative_tokens"], 1, MAX_SPEC_TOKENS)
+        lo = _spec_int("prompt_lookup_min", value.get("prompt_lookup_min", 1), 1, 64)
+        hi = _spec_int("prompt_lookup_max", value.get("prompt_lookup_max", max(3, lo)), 1, 64)
+        if lo > hi:
+            raise ValueError(f"--speculative-config: prompt_lookup_min ({lo}) must be at most prompt_lookup_max ({hi})")
+        adaptive = value.get("adaptive", "off")
+        if adaptive not in ("off", "phase"):
+            raise ValueError(f"--speculative-config: adaptive must be 'off' or 'phase', got {adaptive!r}")
+        phase_k = value.get("phase_k", {})
+        if not isinstance(phase_k, dict):
+            raise ValueError(f"--speculative-config: phase_k must be an object such as "
+                             f'{{"reasoning": 1, "content": 2}}, got {type(phase_k).__name__}')
+        if phase_k and adaptive != "phase":
+            raise ValueError("--speculative-config: phase_k needs \"adaptive\": \"phase\"")
+        for phase, k in phase_k.items():
+            if phase not in SPEC_PHASES:
+                raise ValueError(f"--speculative-config: phase_k: unknown phase {phase!r}; phases: "
+                                 f"{', '.join(SPEC_PHASES)}")
+            _spec_int(f"phase_k.{phase}", k, 0, kmax)
+        model = value.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"--speculative-config: model must be a directory path, got {type(model).__name__}")
+        return cls(method, kmax, lo, hi, adaptive, tuple(sorted(phase_k.items())), model, max_k)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,11 @@ class LLM:
         fused_ops: bool = True,
         max_k: int = 0,
         cpu_threads: int | None = None,
+        speculative_config: str | dict[str, Any] | None = None,
     ) -> None:
+        """Keyword arguments as `tandem serve`'s flags; `speculative_config` is the
+        `--speculative-config` JSON (or its dict), e.g. {"method": "ngram", "num_speculative_tokens": 3}.
+        `max_k` alone only sizes the CUDA graphs' query lengths (no speculation)."""
         dev = resolve_device(device)
         config = EngineConfig(
             model=ModelConfig(model, resolve_dtype(dtype, dev), dev, max_model_len, seed=seed),
@@ -58,7 +62,7 @@ class LLM:
                               parse_size(kv_cache_memory) if kv_cache_memory is not None else None,
                               enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            spec=SpecConfig(max_k),
+            spec=SpecConfig.parse(speculative_config, max_k),
             runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops, cpu_threads),
         )
         self.engine = LLMEngine(config)

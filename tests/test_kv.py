@@ -48,6 +48,12 @@ def test_pool_ref_counts_and_lru_eviction_order():
         pool.allocate(1)
 
 
+def computed(kv: KVCacheManager, r: Request, n: int) -> None:
+    """What the scheduler does once a step's forward pass wrote the K/V of r's first n tokens."""
+    r.num_computed_tokens = n
+    kv.commit(r)
+
+
 def test_allocation_and_free_round_trip():
     kv = make_manager(8)
     r = req("a", list(range(10)))
@@ -72,6 +78,8 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token():
     kv = make_manager(16)
     a = req("a", list(range(13)))
     assert kv.allocate_slots(a, 13)
+    assert kv.find_prefix(req("x", list(range(13)))).num_tokens == 0  # K/V not written yet: not cached
+    computed(kv, a, 13)
     b = req("b", list(range(12)) + [77, 78])
     hit = kv.find_prefix(b)
     assert hit.num_tokens == 12  # three full blocks shared
@@ -81,13 +89,14 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token():
     # An identical, block-aligned prompt still computes its last block (logits are needed).
     c = req("c", list(range(12)))
     assert kv.find_prefix(c).num_tokens == 8
-    assert kv.prefix_queries == 14 + 12 and kv.prefix_hits == 12 + 8
+    assert kv.prefix_queries == 13 + 14 + 12 and kv.prefix_hits == 12 + 8
 
 
 def test_freed_cached_blocks_are_revived_then_evicted_when_needed():
     kv = make_manager(4)
     a = req("a", list(range(9)))
     assert kv.allocate_slots(a, 9)
+    computed(kv, a, 9)
     kv.free(a)
     b = req("b", list(range(9)))
     hit = kv.find_prefix(b)
@@ -104,4 +113,5 @@ def test_caching_disabled_never_hits():
     kv = make_manager(8, caching=False)
     a = req("a", list(range(9)))
     assert kv.allocate_slots(a, 9)
+    computed(kv, a, 9)
     assert kv.find_prefix(req("b", list(range(9)))).num_tokens == 0

@@ -135,3 +135,40 @@ def test_waiting_requests_wait_for_blocks_without_failing():
     assert plan(out) == {"a": 16} and not out.rejected
     s.finish(s.requests["a"], "stop")
     assert plan(run_step(s)) == {"b": 16}
+
+
+def test_draft_tokens_are_scheduled_cut_to_the_budget_and_rolled_back():
+    s = make(16, budget=4)
+    a = req("a", 6)
+    s.add(a)
+    run_step(s)
+    run_step(s)  # 6 prompt tokens in two chunks (blocks 0, 1); a's 7th token is sampled
+    assert a.num_tokens == 7 and a.num_computed_tokens == 6
+    out = s.schedule({"a": [90, 91, 92, 93, 94]})
+    [x] = out.scheduled
+    assert x.draft == (90, 91, 92) and x.num_tokens == 4 and x.samples and x.num_logits == 4  # budget 4
+    assert len(s.kv.block_ids("a")) == 3  # tokens 6..9: positions up to 9 need a third block
+    # One draft token accepted: positions 6 (a's last token) and 7 keep their K/V; 8, 9 go back.
+    s.update_after_step(out, {"a": 1})
+    assert a.num_computed_tokens == 8 and len(s.kv.block_ids("a")) == 2
+    assert s.kv.num_free_blocks == 14
+    # Only blocks whose tokens are all in the request (accepted) are cached: block 1 holds
+    # tokens 4..7 but token 7 (the accepted draft) is not appended yet, so it is not hashed.
+    pool = s.kv.pools[0]
+    assert [b.block_hash is not None for b in pool.blocks[:2]] == [True, False]
+    a.output_token_ids += [90, 1234]  # the engine appends the accepted draft and the target's token
+    out = s.schedule()
+    assert [x.num_tokens for x in out.scheduled] == [1] and not out.scheduled[0].draft  # the target's token
+    s.update_after_step(out)
+    assert a.num_computed_tokens == 9 and pool.blocks[1].block_hash is not None
+    s.finish(a, "stop")
+    assert s.kv.num_free_blocks == 16
+
+
+def test_a_draft_that_does_not_fit_is_dropped_not_preempting():
+    s = make(2, budget=64)  # 8 token slots
+    a = req("a", 7)
+    s.add(a)
+    run_step(s)
+    out = s.schedule({"a": [1, 2, 3]})  # tokens 7..10 would need a third block
+    assert [(x.num_tokens, x.draft) for x in out.scheduled] == [(1, ())] and not out.preempted

@@ -1,4 +1,5 @@
-"""LLMEngine: add requests, step, abort. One step is schedule -> run -> sample -> postprocess.
+"""LLMEngine: add requests, step, abort. One step is propose -> schedule -> run -> sample (or
+verify drafts) -> postprocess.
 
 A request that fails inside a step ends alone, with finish_reason "error", and the engine goes on
 serving the others; only a failure the engine cannot recover from (a device error, steps failing
@@ -12,6 +13,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -23,12 +25,14 @@ from tandem.core import ErrorKind, ParamError, Request, RequestOutput, SamplingP
 from tandem.engine.metrics import EngineMetrics, StatsWindow
 from tandem.engine.runner import ModelRunner, allocate_kv_caches
 from tandem.engine.sampler import Sampler, SamplerOutput
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
 from tandem.models.base import CausalLM
 from tandem.models.loader import inspect_checkpoint, load_checkpoint
 from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, kv_blocks
+from tandem.spec.controller import SpecDecoder
+from tandem.spec.verify import VerifyResult, verify
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("tandem")
@@ -116,6 +120,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self._capture_graphs()
         self.sampler = Sampler(self.device, mc.seed)
+        sc = config.spec
+        self.spec = SpecDecoder(sc, self.tokenizer, self.max_model_len) if sc.enabled else None
+        if self.spec is not None:
+            phase_k = f", phase_k {dict(sc.phase_k)}" if sc.adaptive == "phase" else ""
+            logger.info("Speculative decoding: %s, num_speculative_tokens %d (n-gram %d..%d), adaptive %s%s",
+                        sc.method, sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max,
+                        sc.adaptive, phase_k)
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _ReqState] = {}
         self._window = StatsWindow(time.monotonic())
@@ -296,8 +307,8 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule -> run the model -> sample -> postprocess. Returns a delta for every request
-        that got a token or finished.
+        """Propose drafts -> schedule -> run the model -> sample or verify -> postprocess. Returns
+        a delta for every request that got tokens (several when it verified a draft) or finished.
 
         A failure ends only the requests it can be blamed on, each with finish_reason "error" and
         error_kind "internal", and the engine goes on: a failure to schedule or to run the model
@@ -305,7 +316,7 @@ class LLMEngine:
         fail alone (`_sample`), a failure to postprocess only its request. Raises
         EngineFatalError when the engine cannot go on."""
         try:
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule(self.spec.propose(self.scheduler.running) if self.spec else None)
         except Exception as e:  # noqa: BLE001 - the queues were mid-update: no request is above suspicion
             return self._fail_step("scheduling", e, list(self.scheduler.requests.values()))
         outputs = [self._reject(r) for r in sched.rejected]
@@ -316,14 +327,47 @@ class LLMEngine:
                 return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
             self._failed_steps = 0
             self.metrics.model_steps.labels(model_name=self.model_name, mode="cuda_graph" if graphed else "eager").inc()
-            self.scheduler.update_after_step(sched)
-            sampling = [s.request for s in sched.scheduled if s.samples]
-            sampled, failed = self._sample(logits, sampling)
-            outputs += self._postprocess(sched, sampling, sampled, failed)
+            results = self._sample(logits, sched.scheduled)
+            accepted = {s.request.request_id: r.num_accepted for s, r in results if isinstance(r, VerifyResult)}
+            self.scheduler.update_after_step(sched, accepted)  # rejected drafts' slots go back here
+            outputs += self._postprocess(sched, results)
         self._update_gauges()
         return outputs
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[SamplerOutput, dict[int, Exception]]:
+    def _sample(self, logits: torch.Tensor, batch: list[ScheduledRequest]
+                ) -> list[tuple[ScheduledRequest, VerifyResult | Exception]]:
+        """The new tokens of every request that samples this step (logits [R, V]: each one's
+        `num_logits` rows, in batch order), or the error that failed it alone.
+
+        Requests without a draft are sampled together (`_sample_rows`, today's one-token path);
+        each request with a draft is verified on its 1 + K rows (`tandem.spec.verify`), drawing
+        from the generator the sampler keeps for it."""
+        sampling = [s for s in batch if s.samples]
+        offsets = list(accumulate((s.num_logits for s in sampling), initial=0))
+        results: list[VerifyResult | Exception] = [Exception("not sampled")] * len(sampling)
+        plain = [i for i, s in enumerate(sampling) if not s.draft]
+        if plain:
+            rows = logits if len(plain) == len(sampling) else logits[[offsets[i] for i in plain]]
+            sampled, failed = self._sample_rows(rows, [sampling[i].request for i in plain])
+            for j, i in enumerate(plain):
+                lp = sampled.logprobs[j]
+                results[i] = failed[j] if j in failed else VerifyResult([sampled.token_ids[j]], 0, None if lp is None else [lp])
+        for i, s in enumerate(sampling):
+            if s.draft:
+                results[i] = self._verify(s, logits[offsets[i] : offsets[i + 1]])
+        return list(zip(sampling, results))
+
+    def _verify(self, s: ScheduledRequest, logits: torch.Tensor) -> VerifyResult | Exception:
+        """Verify one request's draft on its logits rows [1 + K, V]; an error fails it alone."""
+        req = s.request
+        try:
+            generator = None if req.params.greedy else self.sampler.generator_for(req)
+            return verify(req, list(s.draft), logits, generator=generator)
+        except Exception as e:  # noqa: BLE001 - a bad request must not fail the batch
+            self._raise_if_fatal("sampling", e)
+            return e
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[SamplerOutput, dict[int, Exception]]:
         """Sample the batch (logits [S, V]); when that raises, sample its rows one by one and
         blame only the rows that fail alone (returned by row; their tokens are placeholders).
 
@@ -350,10 +394,10 @@ class LLMEngine:
                 tokens[i], logprobs[i] = row.token_ids[0], row.logprobs[0]
         return SamplerOutput(tokens, logprobs), failed
 
-    def _postprocess(self, sched: SchedulerOutput, reqs: list[Request], sampled: SamplerOutput,
-                     failed: dict[int, Exception]) -> list[RequestOutput]:
-        """Append each request's sampled token and build its delta; the rows in `failed` (and a
-        request whose postprocessing raises) end with an error instead."""
+    def _postprocess(self, sched: SchedulerOutput,
+                     results: list[tuple[ScheduledRequest, VerifyResult | Exception]]) -> list[RequestOutput]:
+        """Append each request's new tokens and build its delta; a request whose sampling failed
+        (and one whose postprocessing raises) ends with an error instead."""
         now = time.monotonic()
         m = self.metrics
         prompt_tokens = sum(
@@ -363,32 +407,80 @@ class LLMEngine:
         m.label(m.prompt_tokens).inc(prompt_tokens)
         m.label(m.preemptions).inc(len(sched.preempted))
         outputs = []
-        for i, (req, token, lp) in enumerate(zip(reqs, sampled.token_ids, sampled.logprobs)):
-            if i in failed:
-                outputs.append(self._fail_request(req, "sampling", failed[i]))
+        for s, result in results:
+            req = s.request
+            if isinstance(result, Exception):
+                outputs.append(self._fail_request(req, "sampling", result))
                 continue
             try:
-                outputs.append(self._append_token(req, token, lp, now))
+                if s.draft:
+                    self._count_draft(req, len(s.draft), result.num_accepted)
+                outputs.append(self._append_tokens(req, result.tokens, result.logprobs, now))
             except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request alone
                 outputs.append(self._fail_request(req, "postprocessing", e))
         return outputs
 
-    def _append_token(self, req: Request, token: int, lp: TokenLogprobs | None, now: float) -> RequestOutput:
+    def _count_draft(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        assert self.spec is not None
+        self.metrics.count_draft(self.spec.phase(req), num_draft, num_accepted)
+        self._window.count_draft(num_draft, num_accepted)
+
+    def _append_tokens(self, req: Request, tokens: list[int], lps: list[TokenLogprobs] | None,
+                       now: float) -> RequestOutput:
         state = self.states[req.request_id]
-        req.output_token_ids.append(token)
-        self._window.generation_tokens += 1
+        out = self._emit(req, state, tokens, lps)
+        self._window.generation_tokens += len(out.new_token_ids)
         m = self.metrics
-        m.label(m.generation_tokens).inc()
+        m.label(m.generation_tokens).inc(len(out.new_token_ids))
         if state.first_token_time is None:
             state.first_token_time = now
             m.label(m.ttft).observe(now - req.arrival_time)
         else:
             m.label(m.itl).observe(now - (state.last_token_time or now))
         state.last_token_time = now
-        return self._emit(req, state, token, lp)
+        return out
 
-    def _emit(self, req: Request, state: _ReqState, token: int, lp: TokenLogprobs | None) -> RequestOutput:
-        """Detokenize the new token, apply stop conditions, and build the request's delta."""
+    def _emit(self, req: Request, state: _ReqState, tokens: list[int], lps: list[TokenLogprobs] | None
+              ) -> RequestOutput:
+        """Append the step's new tokens and build the request's delta (the one owner of output
+        post-processing: detokenizing, stop conditions, finishing).
+
+        The tokens are taken one at a time, exactly as steps of one token each would take them
+        (`_emit_token`), so EOS, a stop token, a stop string or a length limit falling inside an
+        accepted draft ends the request at the same token and the same character as without
+        speculation; the tokens after that one are dropped."""
+        new_ids: list[int] = []
+        text, finish, stop_reason = "", None, None
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            new_ids.append(token)
+            if lps is not None:
+                state.pending_logprobs.append(lps[i])
+            piece, finish, stop_reason = self._emit_token(req, state, token)
+            text += piece
+            if finish is not None:
+                break
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            finished=finish is not None,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            logprobs=state.pending_logprobs if req.params.logprobs is not None else None,
+        )
+        state.pending_logprobs = []
+        if finish is not None:
+            req.stop_reason = stop_reason
+            self._finish(req, finish)
+        return out
+
+    def _emit_token(self, req: Request, state: _ReqState, token: int) -> tuple[str, str | None, int | str | None]:
+        """Detokenize one appended token and apply the stop conditions; returns (the text it
+        releases, finish reason or None, stop reason)."""
         params = req.params
         finish, stop_reason = None, None
         stopped_by_token = False
@@ -420,25 +512,7 @@ class LLMEngine:
         emit_upto = max(state.sent_chars, len(text) - hold)
         new_text = text[state.sent_chars : emit_upto]
         state.sent_chars = emit_upto
-        if lp is not None:
-            state.pending_logprobs.append(lp)
-        out = RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[token],
-            new_text=new_text,
-            finished=finish is not None,
-            finish_reason=finish,
-            stop_reason=stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            logprobs=state.pending_logprobs if params.logprobs is not None else None,
-        )
-        state.pending_logprobs = []
-        if finish is not None:
-            req.stop_reason = stop_reason
-            self._finish(req, finish)
-        return out
+        return new_text, finish, stop_reason
 
     @staticmethod
     def _find_stop(text: str, sent: int, stops: Iterable[str]) -> tuple[int, str] | None:
@@ -455,6 +529,8 @@ class LLMEngine:
         self.states.pop(req.request_id, None)
         self.scheduler.finish(req, reason)
         self.sampler.release(req.request_id)
+        if self.spec is not None:
+            self.spec.remove(req.request_id)
         m = self.metrics
         m.label(m.e2e).observe(time.monotonic() - req.arrival_time)
         m.success.labels(model_name=self.model_name, finished_reason=reason).inc()
@@ -480,11 +556,8 @@ class LLMEngine:
             ) from error
         logger.error("A step failed while %s; ending its %d requests with an error: %s", stage, len(reqs),
                      ", ".join(r.request_id for r in reqs), exc_info=error)
-        # The step's K/V may be missing or half written, yet the blocks it was to fill were
-        # registered in the prefix cache when they were allocated: forget every cached prefix
-        # rather than let a later prompt hit garbage. (Blocks still held are cached again as
-        # their requests grow.)
-        self.kv.reset_prefix_cache()
+        # The step's K/V may be missing or half written; its blocks are not in the prefix cache:
+        # blocks are registered only after a forward pass ran (KVCacheManager.commit).
         message = f"internal error while {stage}: {brief(error)}"
         outputs = [self._end_with_error(r, message) for r in reqs]
         self._update_gauges()

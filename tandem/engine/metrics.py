@@ -4,7 +4,7 @@ periodic stats line the engine logs while busy."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -30,10 +30,29 @@ class EngineMetrics:
         self.model_steps = Counter("tandem:model_steps", "Forward passes, by how they ran (cuda_graph or eager).",
                                    labels + ["mode"], registry=r)
         self.success = Counter("tandem:request_success", "Finished requests.", labels + ["finished_reason"], registry=r)
+        # Speculative decoding, vLLM's names; each also labelled with the request's phase.
+        spec = labels + ["phase"]
+        self.spec_drafts = Counter("tandem:spec_decode_num_drafts", "Drafts verified.", spec, registry=r)
+        self.spec_draft_tokens = Counter("tandem:spec_decode_num_draft_tokens", "Draft tokens verified.", spec,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("tandem:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec,
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft (0: first).",
+                                             spec + ["position"], registry=r)
         self.model_name = model_name
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
         return metric.labels(model_name=self.model_name)
+
+    def count_draft(self, phase: str, num_draft: int, num_accepted: int) -> None:
+        """One verified draft of `num_draft` tokens whose first `num_accepted` were accepted."""
+        labels = {"model_name": self.model_name, "phase": phase}
+        self.spec_drafts.labels(**labels).inc()
+        self.spec_draft_tokens.labels(**labels).inc(num_draft)
+        self.spec_accepted_tokens.labels(**labels).inc(num_accepted)
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos.labels(**labels, position=str(pos)).inc()
 
 
 @dataclass
@@ -45,6 +64,19 @@ class StatsWindow:
     prefix_hits_at_start: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [position]: drafts accepted there
+
+    def count_draft(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
 
     def line(self, running: int, waiting: int, kv_usage: float, prefix_queries: int, prefix_hits: int) -> str:
         dt = max(time.monotonic() - self.start, 1e-9)
@@ -55,4 +87,18 @@ class StatsWindow:
             f"Avg generation throughput: {self.generation_tokens / dt:.1f} tokens/s, "
             f"Running: {running} reqs, Waiting: {waiting} reqs, "
             f"KV cache usage: {100.0 * kv_usage:.1f}%, Prefix cache hit rate: {hit:.1f}%"
+        ) + self._spec_part(dt)
+
+    def _spec_part(self, dt: float) -> str:
+        """vLLM's `SpecDecoding metrics:` part; empty when no draft was verified in the window.
+        Per-position rates are over all drafts (a position a short draft lacks counts as rejected)."""
+        if not self.num_drafts:
+            return ""
+        n, drafted, accepted = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        per_pos = ", ".join(f"{a / n:.3f}" for a in self.accepted_per_pos)
+        return (
+            f"; SpecDecoding metrics: Mean acceptance length: {1 + accepted / n:.2f}, "
+            f"Accepted throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {per_pos}, "
+            f"Avg Draft acceptance rate: {100.0 * accepted / drafted:.1f}%"
         )

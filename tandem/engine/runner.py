@@ -5,6 +5,12 @@ Graphs are keyed by (batch bucket, tokens per sequence): a uniform step of B req
 tokens each (decode: q = 1; speculative verify: q = 1 + K) replays `graphs[(bucket, q)]` for the
 smallest bucket >= B, padding the extra rows. Padded rows write their K/V into a reserved sink
 block that no request owns, so they never disturb real state.
+
+The runner returns the logits rows each request needs (`ScheduledRequest.num_logits`): one for a
+decode or the end of a prefill, 1 + K for a request verifying K draft tokens, none for a prefill
+chunk that does not reach the prompt's end — ragged, packed in batch order. A batch whose requests
+verify different K (mixed query lengths) runs eagerly for now: it has no captured graph (on CPU
+every step is eager anyway); padding each request to a captured q is the next step.
 """
 
 from __future__ import annotations
@@ -106,7 +112,8 @@ class ModelRunner:
         for s in batch:
             req = s.request
             start, end = s.start, s.start + s.num_tokens
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(req.all_token_ids[start : end - len(s.draft)])  # the request's own tokens ...
+            input_ids.extend(s.draft)  # ... then the draft to verify, if any
             positions.extend(range(start, end))
             for g in range(n_groups):
                 ids = self.kv.block_ids(req.request_id, g)
@@ -114,21 +121,20 @@ class ModelRunner:
                 slots[g].extend(ids[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + s.num_tokens)
             seq_lens.append(end)
-            if s.samples:
-                logits_indices.append(query_start[-1] - 1)
+            logits_indices.extend(range(query_start[-1] - s.num_logits, query_start[-1]))
         return input_ids, positions, query_start, seq_lens, logits_indices, slots, tables
 
     # -- execution ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, bool]:
-        """Run one forward pass. Returns (logits [S, V] float32 for the requests that sample, in
-        batch order; whether a CUDA graph ran)."""
+        """Run one forward pass. Returns (logits [R, V] float32: each request's `num_logits` rows,
+        in batch order; whether a CUDA graph ran)."""
         key = self._graph_key(batch)
         if key is not None:
             return self._replay(batch, key), True
         input_ids, positions, step = self.build_step(batch)
         hidden = self.model(input_ids, positions, step)  # [T, H]
-        return self.model.compute_logits(hidden[step.logits_indices]), False  # [S, V]
+        return self.model.compute_logits(hidden[step.logits_indices]), False  # [R, V]
 
     def _graph_key(self, batch: list[ScheduledRequest]) -> tuple[int, int] | None:
         if not self.graphs:
@@ -216,6 +222,7 @@ class ModelRunner:
             self._slots[g][: bucket * q].copy_(torch.tensor(slots[g] + [sink_slot] * pad_tokens), non_blocking=True)
         entry = self.graphs[key]
         entry.graph.replay()
-        # Each request samples from its last query token.
-        last_rows = torch.arange(1, n + 1, device=self.device) * q - 1
-        return entry.logits[last_rows]
+        # Request i owns rows i*q .. i*q+q-1; it needs its last num_logits of them (all q when it
+        # verifies a draft of q - 1 tokens, the last one for a decode or a prefill's end).
+        rows = [i * q + q - s.num_logits + j for i, s in enumerate(batch) for j in range(s.num_logits)]
+        return entry.logits[torch.tensor(rows, device=self.device)]

@@ -24,6 +24,14 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def mask_eos_and_stop(row: torch.Tensor, req: Request) -> None:
+    """In place, row [V]: the min_tokens rule (EOS and stop tokens cannot be drawn). Callers apply
+    it while the request has generated fewer than min_tokens tokens."""
+    banned = [t for t in (*req.eos_token_ids, *req.params.stop_token_ids) if t < row.shape[0]]
+    if banned:
+        row[banned] = float("-inf")
+
+
 def apply_penalties(logits: torch.Tensor, req: Request, params: SamplingParams) -> torch.Tensor:
     """logits [V] float32 for one request; penalties as OpenAI and vLLM define them."""
     vocab = logits.shape[0]
@@ -102,7 +110,10 @@ class Sampler:
         # call created it). get_state is a host-side copy (~5 KB on CPU, 16 B on CUDA): no sync.
         self._undo: dict[str, torch.Tensor | None] = {}
 
-    def _generator(self, req: Request) -> torch.Generator:
+    def generator_for(self, req: Request) -> torch.Generator:
+        """The generator `req` draws from: its own, seeded one (created on first use, and recorded
+        for `rollback`) or the engine's shared one. Speculative verification draws from it too, so
+        a seeded request stays reproducible with speculation."""
         seed = req.params.seed
         if seed is None:
             return self.default_generator
@@ -177,12 +188,10 @@ class Sampler:
         """row [V] float32 (a copy) -> chosen token, a 0-d tensor on the device."""
         params = req.params
         if req.num_output_tokens < params.min_tokens:
-            banned = [t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < row.shape[0]]
-            if banned:
-                row[banned] = float("-inf")
+            mask_eos_and_stop(row, req)
         if params.needs_penalties:
             row = apply_penalties(row, req, params)
         if params.greedy:
             return torch.argmax(row)
         probs = torch.softmax(filter_logits(row, params), dim=-1)
-        return torch.multinomial(probs, 1, generator=self._generator(req))[0]
+        return torch.multinomial(probs, 1, generator=self.generator_for(req))[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tandem.config import SchedulerConfig
@@ -21,17 +22,27 @@ logger = logging.getLogger("tandem")
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step, fixed when scheduled (the request itself moves on)."""
+    """One request's share of a step, fixed when scheduled (the request itself moves on).
+
+    A verifying request (speculative decoding) runs its last token plus `draft`: its query is
+    1 + len(draft) tokens, the draft tokens are not in the request's token list (they live here,
+    for this step only), and it needs 1 + len(draft) logits rows."""
 
     request: Request
     start: int  # first query position (the request's computed tokens when scheduled)
-    num_tokens: int  # query tokens this step
+    num_tokens: int  # query tokens this step, draft tokens included
     samples: bool  # the step reaches the request's last known token: its logits are sampled
+    draft: tuple[int, ...] = ()  # proposed tokens after the request's last one, to verify
 
     @classmethod
-    def of(cls, request: Request, num_tokens: int) -> ScheduledRequest:
+    def of(cls, request: Request, num_tokens: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
-        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
+        return cls(request, start, num_tokens + len(draft), start + num_tokens == request.num_tokens, draft)
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows the step needs for this request: 1 + len(draft) when it samples, else 0."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass
@@ -89,10 +100,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, Sequence[int]] | None = None) -> SchedulerOutput:
+        """This step's batch. `drafts` holds proposed tokens of running requests past their
+        prefill (request id -> draft); each is scheduled after its request's last token, cut to
+        the token budget, and dropped when its slots do not fit (a draft never preempts)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
+        drafts = drafts or {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -101,11 +116,14 @@ class Scheduler:
             if n <= 0:  # cannot happen for a running request; guard against a stuck loop
                 i += 1
                 continue
-            if not self._allocate_or_preempt(req, n, out, scheduled_ids):
+            draft = tuple(drafts.get(req.request_id, ()))[: budget - n] if n == 1 else ()
+            if draft and not self.kv.allocate_slots(req, n + len(draft)):
+                draft = ()
+            if not draft and not self._allocate_or_preempt(req, n, out, scheduled_ids):
                 break  # req itself was preempted (it was the newest); nothing after it runs
-            out.scheduled.append(ScheduledRequest.of(req, n))
+            out.scheduled.append(ScheduledRequest.of(req, n, draft))
             scheduled_ids.add(req.request_id)
-            budget -= n
+            budget -= n + len(draft)
             i += 1
 
         # New work only when nothing was preempted this step: otherwise it would take the blocks back.
@@ -164,7 +182,20 @@ class Scheduler:
         self.waiting.appendleft(req)
         logger.debug("preempted %s (%d tokens); it will be recomputed", req.request_id, req.num_tokens)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts once the step's forward pass ran."""
+    def update_after_step(self, out: SchedulerOutput, accepted: Mapping[str, int] | None = None) -> None:
+        """Advance computed-token counts once the step's forward pass ran, and let the KV manager
+        register the blocks that are now complete.
+
+        `accepted` gives, per verifying request, how many of its draft tokens were accepted: their
+        K/V stay; the slots of the rejected ones are given back (the block table is trimmed to the
+        tokens kept). Requests that finished meanwhile are skipped (their blocks are free)."""
+        accepted = accepted or {}
         for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
+            req = s.request
+            if req.status != RequestStatus.RUNNING:
+                continue
+            kept = s.num_tokens - len(s.draft) + min(accepted.get(req.request_id, 0), len(s.draft))
+            req.num_computed_tokens += kept
+            if s.draft:
+                self.kv.trim(req, req.num_computed_tokens)
+            self.kv.commit(req)

@@ -124,17 +124,33 @@ class KVCacheManager:
             new = self.blocks_needed(total_tokens) - len(held[g])
             if new > 0:
                 held[g].extend(pool.allocate(new))
-        self._cache_full_blocks(req, total_tokens)
         return True
 
-    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
-        """Register blocks that are full after this step (tokens known, K/V written this step)."""
-        if not self.enable_prefix_caching:
+    def commit(self, req: Request) -> None:
+        """Register the request's blocks that are complete in the prefix cache: every token of the
+        block is in the request's token list (accepted: draft tokens never are) and its K/V is
+        written (within `num_computed_tokens`). Called once a step's forward pass ran, never at
+        allocation, so a failed step or a rejected draft leaves nothing behind a hash."""
+        if not self.enable_prefix_caching or req.request_id not in self.req_blocks:
             return
-        hashes = self._block_hashes(req, num_tokens)
+        hashes = self._block_hashes(req, req.num_computed_tokens)
         for g, pool in enumerate(self.pools):
             for block, h in zip(self.req_blocks[req.request_id][g], hashes):
                 pool.cache(block, h)
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (the slots of rejected draft
+        tokens). Those blocks were never registered (see `commit`), so they go back to the free
+        queue holding no hash."""
+        held = self.req_blocks.get(req.request_id)
+        if held is None:
+            return
+        keep = self.blocks_needed(num_tokens)
+        for g, pool in enumerate(self.pools):
+            extra = held[g][keep:]
+            if extra:
+                del held[g][keep:]
+                pool.free(list(reversed(extra)))
 
     def free(self, req: Request) -> None:
         held = self.req_blocks.pop(req.request_id, None)

@@ -15,10 +15,10 @@ draft[:i]. `verify` turns those rows into 1..K+1 new tokens, lossless:
   (penalties, min_tokens, temperature, top-k, top-p, min-p), so every emitted token has exactly
   the target's distribution given the tokens before it.
 
-Not wired into the engine yet. The caller owns what comes after: appending the tokens, cutting
-them at the first EOS / stop token / stop string / max_tokens (the tokens before the cut are
-distributed exactly as without speculation; the ones after are discarded), and freeing the KV
-entries of the rejected drafts.
+The engine (`LLMEngine`) calls it for every request that verifies a draft. The caller owns what
+comes after: appending the tokens, cutting them at the first EOS / stop token / stop string /
+max_tokens (the tokens before the cut are distributed exactly as without speculation; the ones
+after are discarded), and freeing the KV entries of the rejected drafts.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core import Request, SamplingParams, TokenLogprobs
-from tandem.engine.sampler import apply_penalties, filter_logits_batch, top_logprobs
+from tandem.core import Request, TokenLogprobs
+from tandem.engine.sampler import apply_penalties, filter_logits_batch, mask_eos_and_stop, top_logprobs
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def penalized_logits(logits: torch.Tensor, req: Request, draft: list[int]) -> to
         return rows
     for i in range(rows.shape[0]):
         if done + i < params.min_tokens:
-            _mask_eos_and_stop(rows[i], req, params)
+            mask_eos_and_stop(rows[i], req)
         if params.needs_penalties:
             # A copy of the request whose history includes draft[:i] (the prompt list is shared).
             ahead = dataclasses.replace(req, output_token_ids=req.output_token_ids + draft[:i])
@@ -182,13 +182,6 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, d: torch.Tensor) -> torch
         res = (p - q).clamp_min(0.0)
     mass = res.sum(dim=-1, keepdim=True)  # [K, 1]
     return torch.where(mass > 0, res / mass, p)
-
-
-def _mask_eos_and_stop(row: torch.Tensor, req: Request, params: SamplingParams) -> None:
-    """In place, row [V]: the sampler's min_tokens rule (EOS and stop tokens cannot be drawn)."""
-    banned = [t for t in (*req.eos_token_ids, *params.stop_token_ids) if t < row.shape[0]]
-    if banned:
-        row[banned] = float("-inf")
 
 
 def _check_shapes(draft: list[int], logits: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
