@@ -9,8 +9,11 @@ block that no request owns, so they never disturb real state.
 The runner returns the logits rows each request needs (`ScheduledRequest.num_logits`): one for a
 decode or the end of a prefill, 1 + K for a request verifying K draft tokens, none for a prefill
 chunk that does not reach the prompt's end — ragged, packed in batch order. A batch whose requests
-verify different K (mixed query lengths) runs eagerly for now: it has no captured graph (on CPU
-every step is eager anyway); padding each request to a captured q is the next step.
+verify different K (mixed query lengths, all sampling) replays the graph of its longest query: each
+request's query is padded at its end to q tokens. A pad token writes its K/V into the sink block
+and its logits row is dropped; the attention kernels place query row j at cache position
+seq_len - q + j, so with seq_len padded by as much the real rows keep their positions and their
+causal masks, and never see a pad.
 """
 
 from __future__ import annotations
@@ -139,9 +142,9 @@ class ModelRunner:
     def _graph_key(self, batch: list[ScheduledRequest]) -> tuple[int, int] | None:
         if not self.graphs:
             return None
-        q = batch[0].num_tokens
-        if any(s.num_tokens != q or not s.samples for s in batch):
-            return None  # prefill chunks and mixed steps run eagerly
+        if not all(s.samples and s.num_tokens == s.num_logits for s in batch):
+            return None  # prefill chunks run eagerly; decodes and verifies (padded to one q) replay
+        q = max(s.num_tokens for s in batch)
         bucket = next((b for b in self.buckets if b >= len(batch)), None)
         if bucket is None or (bucket, q) not in self.graphs:
             return None
@@ -208,21 +211,33 @@ class ModelRunner:
         n = len(batch)
         input_ids, positions, _, seq_lens, _, slots, tables = self._host_inputs(batch)
         sink_slot = self.sink_block * self.block_size
+        # Request i owns query rows i*q .. i*q+q-1: its tokens first, then pads up to q (see the
+        # module docstring); padded batch rows (bucket - n of them) are all pads.
+        ids, pos, slot_rows = [], [], [[] for _ in tables]
+        at = 0
+        for i, s in enumerate(batch):
+            m, pad = s.num_tokens, q - s.num_tokens
+            ids += input_ids[at : at + m] + [0] * pad
+            pos += positions[at : at + m] + [seq_lens[i] - 1] * pad  # a pad's position is never read back
+            for g in range(len(tables)):
+                slot_rows[g] += slots[g][at : at + m] + [sink_slot] * pad
+            at += m
         pad_tokens = (bucket - n) * q
-        self._ids[: bucket * q].copy_(torch.tensor(input_ids + [0] * pad_tokens), non_blocking=True)
-        self._pos[: bucket * q].copy_(torch.tensor(positions + [0] * pad_tokens), non_blocking=True)
-        self._seq[:bucket].copy_(torch.tensor(seq_lens + [q] * (bucket - n), dtype=torch.int32), non_blocking=True)
+        self._ids[: bucket * q].copy_(torch.tensor(ids + [0] * pad_tokens), non_blocking=True)
+        self._pos[: bucket * q].copy_(torch.tensor(pos + [0] * pad_tokens), non_blocking=True)
+        padded_lens = [length + q - s.num_tokens for length, s in zip(seq_lens, batch)]
+        self._seq[:bucket].copy_(torch.tensor(padded_lens + [q] * (bucket - n), dtype=torch.int32), non_blocking=True)
         self._fill_static_pattern(bucket, q)
         for g in range(len(tables)):
-            # Only the first ceil(seq_len / block_size) entries of a row are read: copy that much.
-            width = max(len(t) for t in tables[g])
+            # Rows are read up to ceil(padded seq_len / block_size) entries: a pad may reach one block
+            # past the request's own, which holds the sink.
+            width = max(len(t) for t in tables[g]) + 1
             rows = [t + [self.sink_block] * (width - len(t)) for t in tables[g]]
             self._tables[g][:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
             self._tables[g][n:bucket, 0].fill_(self.sink_block)
-            self._slots[g][: bucket * q].copy_(torch.tensor(slots[g] + [sink_slot] * pad_tokens), non_blocking=True)
+            self._slots[g][: bucket * q].copy_(torch.tensor(slot_rows[g] + [sink_slot] * pad_tokens), non_blocking=True)
         entry = self.graphs[key]
         entry.graph.replay()
-        # Request i owns rows i*q .. i*q+q-1; it needs its last num_logits of them (all q when it
-        # verifies a draft of q - 1 tokens, the last one for a decode or a prefill's end).
-        rows = [i * q + q - s.num_logits + j for i, s in enumerate(batch) for j in range(s.num_logits)]
+        # Request i needs the last num_logits of its real rows i*q .. i*q+num_tokens-1.
+        rows = [i * q + s.num_tokens - s.num_logits + j for i, s in enumerate(batch) for j in range(s.num_logits)]
         return entry.logits[torch.tensor(rows, device=self.device)]
