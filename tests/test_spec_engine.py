@@ -328,3 +328,43 @@ def test_serve_flag_maps_to_the_engine_config(model_dir):
     assert engine_cfg.spec.method == "ngram" and engine_cfg.spec.max_k == 3
     args = build_parser().parse_args(["serve", str(model_dir), "--device", "cpu"])
     assert not build_configs(args, str(model_dir))[0].spec.enabled
+
+
+def test_tandem_serve_with_ngram_speculation_end_to_end():
+    """A real `tandem serve --speculative-config`: streamed and non-streamed greedy answers agree,
+    usage counts the streamed tokens, and the spec_decode counters in /metrics move."""
+    import httpx
+
+    from serve_proc import start_serve
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    proc, url = start_serve("tandem-demo", "--device", "cpu", "--kv-cache-memory", "256MiB",
+                            "--speculative-config", spec)
+    try:
+        body = {"model": "tandem-demo", "max_tokens": 120, "temperature": 0,
+                "messages": [{"role": "user", "content": "Sort these numbers: 41, 7, 93, 18, 66, 25"}]}
+        whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: "):]))
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        streamed = "".join(d.get("reasoning_content") or "" for d in deltas) + "".join(d.get("content") or "" for d in deltas)
+        message = whole["choices"][0]["message"]
+        assert streamed == (message["reasoning_content"] or "") + (message["content"] or "")
+        usage = events[-1]["usage"]  # the second request hits the prefix cache: cached_tokens differ
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (whole["usage"]["prompt_tokens"],
+                                                                        whole["usage"]["completion_tokens"])
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        drafted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith("tandem:spec_decode_num_draft_tokens_total{"))
+        accepted = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                       if line.startswith("tandem:spec_decode_num_accepted_tokens_total{"))
+        assert drafted > 0 and accepted > 0
+        # Fewer deltas than tokens: accepted drafts arrive several tokens at a time.
+        assert len(deltas) < whole["usage"]["completion_tokens"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
