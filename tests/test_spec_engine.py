@@ -368,3 +368,32 @@ def test_tandem_serve_with_ngram_speculation_end_to_end():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_k_changes_are_logged_at_info_at_most_once_a_second(model_dir, caplog):
+    import logging
+
+    from tandem.spec.controller import K_LOG_INTERVAL_S
+
+    spec = dict(NGRAM, adaptive="phase", phase_k={"reasoning": 1, "content": 2, "tool_call": 3})
+    eng = make(model_dir, spec).engine
+    tok = eng.tokenizer
+    req = eng.new_request("r", [11, 12, tok.token_to_id(THINK)], SamplingParams(max_tokens=50))
+
+    def generated(*tokens: int) -> None:  # as if the request kept these tokens and is ready to decode
+        req.output_token_ids.extend(tokens)
+        req.num_computed_tokens = req.num_tokens - 1
+
+    generated()
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        eng.spec.propose([req])  # the first K (1, reasoning): no change to report
+        generated(40, tok.token_to_id("</think>"))
+        eng.spec.propose([req])  # 1 -> 2
+        generated(tok.token_to_id(TOOL_CALL))
+        eng.spec.propose([req])  # 2 -> 3 within the interval: DEBUG only
+        eng.spec._last_k_log -= K_LOG_INTERVAL_S
+        generated(tok.token_to_id("</tool_call>"))
+        eng.spec.propose([req])  # 3 -> 2 after the interval: INFO, counting the unlogged one
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and ": K " in r.getMessage()]
+    assert info == ["request r: K 1 -> 2 (phase=content)",
+                    "request r: K 3 -> 2 (phase=content) (+1 more K changes since the last line)"]

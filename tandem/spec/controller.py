@@ -17,6 +17,7 @@ n-gram index.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 from tandem.config import SpecConfig
@@ -26,6 +27,8 @@ from tandem.spec.phase import CONTENT, Phase, PhaseMarkers, PhaseTracker
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")
+
+K_LOG_INTERVAL_S = 1.0  # rate limit of the INFO line on a request's K change
 
 
 class _Tracked:
@@ -46,6 +49,8 @@ class SpecDecoder:
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.markers = PhaseMarkers.from_tokenizer(tokenizer)
         self._tracked: dict[str, _Tracked] = {}
+        self._last_k_log = -K_LOG_INTERVAL_S  # monotonic time of the last INFO line on a K change
+        self._unlogged_k_changes = 0
 
     def phase(self, req: Request) -> Phase:
         """The request's phase after the tokens it kept up to the last `propose`."""
@@ -67,10 +72,22 @@ class SpecDecoder:
         for req, k in zip(reqs, ks):
             tracked = self._tracked[req.request_id]
             if k != tracked.k and tracked.k is not None:
-                logger.debug("request %s: K %d -> %d (phase=%s)", req.request_id, tracked.k, k, tracked.tracker.phase)
+                self._log_k_change(req.request_id, tracked.k, k, tracked.tracker.phase)
             tracked.k = k
         drafts = self.proposer.propose(reqs, ks)
         return {r.request_id: d for r, d in zip(reqs, drafts) if d}
+
+    def _log_k_change(self, request_id: str, old: int, new: int, phase: Phase) -> None:
+        """An INFO line when a request's K changes, at most one per K_LOG_INTERVAL_S (the next line
+        says how many changes went unlogged meanwhile); every change at DEBUG."""
+        now = time.monotonic()
+        if now - self._last_k_log < K_LOG_INTERVAL_S:
+            self._unlogged_k_changes += 1
+            logger.debug("request %s: K %d -> %d (phase=%s)", request_id, old, new, phase)
+            return
+        more = f" (+{self._unlogged_k_changes} more K changes since the last line)" if self._unlogged_k_changes else ""
+        logger.info("request %s: K %d -> %d (phase=%s)%s", request_id, old, new, phase, more)
+        self._last_k_log, self._unlogged_k_changes = now, 0
 
     def remove(self, request_id: str) -> None:
         """Forget a finished or aborted request."""
