@@ -303,3 +303,22 @@ def test_bad_shapes_say_what_is_wrong():
         verify(r, [V], torch.zeros(2, V))
     with pytest.raises(ValueError, match="draft_probs must have shape"):
         verify(r, [1], torch.zeros(2, V), torch.zeros(2, V))
+
+
+def test_batched_greedy_acceptance_is_verify_for_plain_greedy_requests():
+    from tandem.spec.verify import accept_greedy, is_plain_greedy
+
+    g = torch.Generator().manual_seed(11)
+    plain = req(SamplingParams(temperature=0.0, max_tokens=50))
+    assert is_plain_greedy(plain)
+    for params in (SamplingParams(temperature=0.0, repetition_penalty=1.2), SamplingParams(temperature=0.7),
+                   SamplingParams(temperature=0.0, min_tokens=5), SamplingParams(temperature=0.0, logprobs=1)):
+        assert not is_plain_greedy(req(params))
+    for _ in range(50):
+        k = int(torch.randint(0, 5, (1,), generator=g))
+        logits = torch.randn(k + 1, 8, generator=g)
+        top = logits.argmax(-1).tolist()
+        # Drafts that follow the argmax for a while, then may stray.
+        draft = [t if torch.rand(1, generator=g) < 0.7 else (t + 1) % 8 for t in top[:k]]
+        want = verify(plain, draft, logits)
+        assert accept_greedy(draft, top) == (want.tokens, want.num_accepted)

@@ -32,7 +32,7 @@ from tandem.models.base import CausalLM
 from tandem.models.loader import inspect_checkpoint, load_checkpoint
 from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, kv_blocks
 from tandem.spec.controller import SpecDecoder
-from tandem.spec.verify import VerifyResult, verify
+from tandem.spec.verify import VerifyResult, accept_greedy, is_plain_greedy, verify
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("tandem")
@@ -340,8 +340,9 @@ class LLMEngine:
         `num_logits` rows, in batch order), or the error that failed it alone.
 
         Requests without a draft are sampled together (`_sample_rows`, today's one-token path);
-        each request with a draft is verified on its 1 + K rows (`tandem.spec.verify`), drawing
-        from the generator the sampler keeps for it."""
+        plain greedy requests with a draft share one argmax pass (`accept_greedy`); every other
+        request with a draft is verified on its 1 + K rows (`tandem.spec.verify`), drawing from
+        the generator the sampler keeps for it."""
         sampling = [s for s in batch if s.samples]
         offsets = list(accumulate((s.num_logits for s in sampling), initial=0))
         results: list[VerifyResult | Exception] = [Exception("not sampled")] * len(sampling)
@@ -352,8 +353,15 @@ class LLMEngine:
             for j, i in enumerate(plain):
                 lp = sampled.logprobs[j]
                 results[i] = failed[j] if j in failed else VerifyResult([sampled.token_ids[j]], 0, None if lp is None else [lp])
+        # Plain greedy verifies (most of them) share one argmax over the step's rows and one host
+        # sync; the others are verified one by one.
+        batched = {i for i, s in enumerate(sampling) if s.draft and is_plain_greedy(s.request)}
+        top = logits.argmax(dim=-1).tolist() if batched else []  # [R]
+        for i in sorted(batched):
+            tokens, n = accept_greedy(list(sampling[i].draft), top[offsets[i] : offsets[i + 1]])
+            results[i] = VerifyResult(tokens, n)
         for i, s in enumerate(sampling):
-            if s.draft:
+            if s.draft and i not in batched:
                 results[i] = self._verify(s, logits[offsets[i] : offsets[i + 1]])
         return list(zip(sampling, results))
 

@@ -134,6 +134,21 @@ def verify(
 
 def _verify_greedy(req: Request, draft: list[int], logits: torch.Tensor) -> tuple[list[int], int]:
     target = penalized_logits(logits, req, draft).argmax(dim=-1).tolist()  # [K+1]: the one host sync
+    return accept_greedy(draft, target)
+
+
+def is_plain_greedy(req: Request) -> bool:
+    """Whether `verify` would take the plain argmax of the raw rows for this request (greedy, no
+    penalties, min_tokens reached, no logprobs): then many requests' rows can be reduced in one
+    device pass and accepted with `accept_greedy`, with the very tokens `verify` gives."""
+    p = req.params
+    return p.greedy and not p.needs_penalties and req.num_output_tokens >= p.min_tokens and p.logprobs is None
+
+
+def accept_greedy(draft: list[int], target: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance on the host: target [K+1] holds the argmax of each row. Drafts are kept
+    while they equal it; then the target's own token (the correction, or the bonus after all K).
+    Returns (tokens, number of drafts accepted)."""
     n = 0
     while n < len(draft) and draft[n] == target[n]:
         n += 1
