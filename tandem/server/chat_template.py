@@ -40,7 +40,8 @@ def lone_surrogate_error(text: str) -> str | None:
             "which is not valid Unicode; send surrogates in pairs (or the character itself)")
 
 
-def _short(e: BaseException) -> str:
+def short_message(e: BaseException) -> str:
+    """An exception's message (its type's name when it has none), cut to _MAX_MESSAGE_CHARS."""
     text = str(e) or type(e).__name__
     return text if len(text) <= _MAX_MESSAGE_CHARS else text[: _MAX_MESSAGE_CHARS - 3] + "..."
 
@@ -52,8 +53,8 @@ def _render_failure(e: Exception) -> ChatRenderError:
     if isinstance(e, MemoryError):
         return ChatRenderError("the chat template ran out of memory rendering these messages")
     if isinstance(e, (jinja2.exceptions.TemplateError, OverflowError)):  # OverflowError: "Range too big"
-        return ChatRenderError(f"chat template error: {_short(e)}")
-    return ChatRenderError(f"chat template could not render these messages: {type(e).__name__}: {_short(e)}")
+        return ChatRenderError(f"chat template error: {short_message(e)}")
+    return ChatRenderError(f"chat template could not render these messages: {type(e).__name__}: {short_message(e)}")
 
 
 def _raise_exception(message: str) -> None:
@@ -166,7 +167,7 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template has a syntax error at line {e.lineno}: {e.message}") from e
         except Exception as e:  # jinja folds constants while compiling: `{{ 10**100000 }}` fails here
-            raise ChatTemplateError(f"chat template cannot be compiled: {type(e).__name__}: {_short(e)}") from e
+            raise ChatTemplateError(f"chat template cannot be compiled: {type(e).__name__}: {short_message(e)}") from e
         self.source = source
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""

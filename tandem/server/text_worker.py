@@ -23,6 +23,7 @@ from tandem.server.chat_template import (
     ChatRenderError,
     ChatTemplate,
     lone_surrogate_error,
+    short_message,
 )
 from tandem.server.context_guard import ContextGuard
 from tandem.tokenizer import Tokenizer
@@ -30,7 +31,6 @@ from tandem.tokenizer import Tokenizer
 HEADER = struct.Struct("!Q")  # every message: its pickled size, then the pickle
 PICKLE = pickle.HIGHEST_PROTOCOL
 LARGE = 1 << 20  # bytes of pickled request or reply: a large job (gated, and the heap trimmed after it)
-_MAX_MESSAGE_CHARS = 300
 
 def worker_main(fd: int, parent_pid: int) -> None:
     """A worker process's main loop (TextWorkers starts it; not for use by hand): read requests
@@ -98,7 +98,7 @@ class _Work:
             return (e.status, e.message, e.retire)
         except Exception as e:  # noqa: BLE001 - a bug here: the traceback goes to the server's log
             traceback.print_exc()
-            return ("internal", f"{type(e).__name__}: {_short(e)}", True)
+            return ("internal", _short(e), True)
 
     def render(self, channel: _Channel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool, continue_final_message: bool, kwargs: dict[str, Any] | None,
@@ -200,5 +200,5 @@ def _rss_mib() -> int:
 
 
 def _short(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return text if len(text) <= _MAX_MESSAGE_CHARS else text[: _MAX_MESSAGE_CHARS - 3] + "..."
+    """`Type: message`, the message cut short (see chat_template.short_message)."""
+    return f"{type(e).__name__}: {short_message(e)}" if str(e) else type(e).__name__
