@@ -139,7 +139,6 @@ _SPEC_NOT_WIRED = {
     "dspark": "speculative method 'dspark' is not wired into the engine yet; use 'ngram'",
     "mtp": "speculative method 'mtp' is reserved for DeepSeek-V4's multi-token prediction and does not exist yet",
 }
-SPEC_PHASES = ("reasoning", "content", "tool_call")  # tandem.spec.phase.PHASES
 MAX_SPEC_TOKENS = 8
 _SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive",
               "phase_k")
@@ -225,10 +224,12 @@ class SpecConfig:
                              f'{{"reasoning": 1, "content": 2}}, got {type(phase_k).__name__}')
         if phase_k and adaptive != "phase":
             raise ValueError("--speculative-config: phase_k needs \"adaptive\": \"phase\"")
+        from tandem.spec.phase import PHASES  # here, not at the top: config is imported by everything
+
         for phase, k in phase_k.items():
-            if phase not in SPEC_PHASES:
+            if phase not in PHASES:
                 raise ValueError(f"--speculative-config: phase_k: unknown phase {phase!r}; phases: "
-                                 f"{', '.join(SPEC_PHASES)}")
+                                 f"{', '.join(PHASES)}")
             _spec_int(f"phase_k.{phase}", k, 0, kmax)
         model = value.get("model")
         if model is not None and not isinstance(model, str):
