@@ -73,9 +73,7 @@ def parse_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
         raise
     except RecursionError:
         raise InvalidBody(f"the JSON is nested more than {max_depth} levels deep") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidBody(f"The request body is not valid JSON: {e}") from None
-    except ValueError as e:  # e.g. a number json cannot convert
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a number json cannot convert
         raise InvalidBody(f"The request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise InvalidBody("The request body must be a JSON object")
