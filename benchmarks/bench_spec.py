@@ -1,12 +1,14 @@
-"""Speculative decoding on the demo model, offline through `tandem.LLM`: no speculation against n-gram
-drafting at fixed K and by phase, at concurrency 1 and 8, greedy, over held-out demo prompts.
+"""Speculative decoding on the demo pair, offline through `tandem.LLM`: no speculation against each
+method (n-gram, draft model, DSpark) at fixed K and by phase, at concurrency 1 and 8, greedy, over
+the demo's held-out prompts with thinking on.
 
-For each configuration: output tok/s, drafts and acceptance (from the engine's `tandem:spec_decode_*`
-counters), CUDA-graph vs eager steps, and how many outputs equal the non-speculative ones token for
-token (on CUDA in bf16, batch shapes change the arithmetic, so a difference is possible; on CPU in
-fp32 the tests require equality).
+For each configuration: output tok/s, drafts and acceptance overall, by position and by phase (from
+the engine's `tandem:spec_decode_*` counters, warm-up excluded), the K distribution, target steps by
+mode (CUDA graph / eager decode-or-verify / prefill) and drafter forwards by mode, and how many
+outputs equal the non-speculative ones token for token (on CUDA in bf16, batch shapes change the
+arithmetic, so a difference is possible; on CPU in fp32 the tests require equality).
 
-    python benchmarks/bench_spec.py --device cuda --n 3 --out spec.json
+    python benchmarks/bench_spec.py --device cuda --methods dspark,draft_model --n 2 --out spec.json
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def prompts(n: int) -> list[list[int]]:
     return [tok.encode(text.render_prompt(ex), add_special_tokens=False).ids for ex in exs]
 
 
+PHASES = ("reasoning", "content", "tool_call")
+
+
 def counter(llm: LLM, name: str, **labels: str) -> float:
     """Sum of a counter's samples whose labels include `labels`."""
     total = 0.0
@@ -43,9 +48,7 @@ def run(device: str, spec: dict | None, concurrency: int, ids: list[list[int]], 
               speculative_config=spec)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0)
     llm.generate(ids[:2], sp)  # warm-up (kernels, allocator)
-    before = {k: counter(llm, f"tandem:{k}") for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                                                       "spec_decode_num_accepted_tokens")}
-    graphs0, eager0 = counter(llm, "tandem:model_steps", mode="cuda_graph"), counter(llm, "tandem:model_steps", mode="eager")
+    snap0 = snapshot(llm)
     start = time.perf_counter()
     outs = []
     if concurrency == 1:
@@ -54,39 +57,80 @@ def run(device: str, spec: dict | None, concurrency: int, ids: list[list[int]], 
     else:
         outs = llm.generate(ids, sp)
     seconds = time.perf_counter() - start
+    d = {k: v - snap0.get(k, 0.0) for k, v in snapshot(llm).items()}
     tokens = sum(len(o.token_ids) for o in outs)
-    drafts = counter(llm, "tandem:spec_decode_num_drafts") - before["spec_decode_num_drafts"]
-    drafted = counter(llm, "tandem:spec_decode_num_draft_tokens") - before["spec_decode_num_draft_tokens"]
-    accepted = counter(llm, "tandem:spec_decode_num_accepted_tokens") - before["spec_decode_num_accepted_tokens"]
-    per_phase = {ph: counter(llm, "tandem:spec_decode_num_accepted_tokens", phase=ph)
-                 / max(1.0, counter(llm, "tandem:spec_decode_num_draft_tokens", phase=ph))
-                 for ph in ("reasoning", "content", "tool_call")}
+
+    def acceptance(phase: str | None) -> dict[str, Any] | None:
+        key = "" if phase is None else f"/{phase}"
+        drafts, drafted = d.get(f"drafts{key}", 0.0), d.get(f"draft_tokens{key}", 0.0)
+        if not drafts:
+            return None
+        accepted = d.get(f"accepted{key}", 0.0)
+        per_pos = [round(d.get(f"pos{i}{key}", 0.0) / drafts, 3) for i in range(8) if d.get(f"pos{i}{key}", 0.0)]
+        return {"drafts": drafts, "draft_tokens": drafted, "accepted": accepted,
+                "rate": round(accepted / drafted, 3), "mean_acceptance_length": round(1 + accepted / drafts, 3),
+                "per_position": per_pos}
+
+    k_dist = {ph: {k.split("=")[1]: v for k, v in d.items() if k.startswith(f"k/{ph}=") and v}
+              for ph in PHASES}
     return {
         "spec": spec, "concurrency": concurrency, "seconds": round(seconds, 3), "tokens": tokens,
-        "tok_s": round(tokens / seconds, 1), "drafts": drafts, "draft_tokens": drafted, "accepted": accepted,
-        "acceptance": round(accepted / drafted, 3) if drafted else None,
-        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-        "acceptance_by_phase": {k: round(v, 3) for k, v in per_phase.items()},  # warm-up included
-        "graph_steps": counter(llm, "tandem:model_steps", mode="cuda_graph") - graphs0,
-        "eager_steps": counter(llm, "tandem:model_steps", mode="eager") - eager0,
+        "tok_s": round(tokens / seconds, 1), "acceptance": acceptance(None),
+        "acceptance_by_phase": {ph: acceptance(ph) for ph in PHASES if acceptance(ph)},
+        "k_distribution": {ph: v for ph, v in k_dist.items() if v},
+        "target_steps": {m: d.get(f"steps/{m}", 0.0) for m in ("cuda_graph", "eager", "prefill")},
+        "drafter_forwards": {m: d.get(f"drafter/{m}", 0.0) for m in ("cuda_graph", "eager")},
         "outputs": [o.token_ids for o in outs],
     }
+
+
+def snapshot(llm: LLM) -> dict[str, float]:
+    """The speculative-decoding and step counters, flattened to one key per (counter, label)."""
+    out: dict[str, float] = {}
+    names = {"tandem:spec_decode_num_drafts_total": "drafts", "tandem:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "tandem:spec_decode_num_accepted_tokens_total": "accepted"}
+    for metric in llm.engine.metrics.registry.collect():
+        for s in metric.samples:
+            lab, key = s.labels, None
+            if s.name in names:
+                for k in (names[s.name], f"{names[s.name]}/{lab['phase']}"):
+                    out[k] = out.get(k, 0.0) + s.value
+                continue
+            if s.name == "tandem:spec_decode_num_accepted_tokens_per_pos_total":
+                for k in (f"pos{lab['position']}", f"pos{lab['position']}/{lab['phase']}"):
+                    out[k] = out.get(k, 0.0) + s.value
+                continue
+            if s.name == "tandem:spec_decode_k_total":
+                key = f"k/{lab['phase']}={lab['k']}"
+            elif s.name == "tandem:model_steps_total":
+                key = f"steps/{lab['mode']}"
+            elif s.name == "tandem:spec_decode_drafter_steps_total":
+                key = f"drafter/{lab['mode']}"
+            if key is not None:
+                out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--n", type=int, default=3, help="held-out prompts per task family")
+    ap.add_argument("--methods", default="dspark,draft_model", help="comma-separated: ngram, draft_model, dspark")
     ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--phase-k", default='{"reasoning": 4, "content": 2, "tool_call": 2}',
+                    help="phase_k of the adaptive runs (JSON)")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ids = prompts(args.n)
     specs: list[dict | None] = [None]
-    specs += [{"method": "ngram", "num_speculative_tokens": int(k)} for k in args.ks.split(",")]
-    specs.append({"method": "ngram", "num_speculative_tokens": 3, "adaptive": "phase",
-                  "phase_k": {"reasoning": 3, "content": 2, "tool_call": 1}})
+    ks = [int(k) for k in args.ks.split(",")]
+    phase_k = json.loads(args.phase_k)
+    for method in args.methods.split(","):
+        specs += [{"method": method, "num_speculative_tokens": k} for k in ks]
+        specs.append({"method": method, "num_speculative_tokens": max(max(ks), *phase_k.values()),
+                      "adaptive": "phase", "phase_k": phase_k})
     run(args.device, None, 1, ids[:4], args.max_tokens)  # process warm-up (JIT, clocks): not measured
     rows = []
     for conc in (int(c) for c in args.concurrency.split(",")):

@@ -133,10 +133,10 @@ class SchedulerConfig:
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
 
 
-SPEC_METHODS = ("ngram",)  # wired into the engine
+SPEC_METHODS = ("ngram", "draft_model", "dspark")  # wired into the engine
+# Kmax of a drafter method whose config leaves num_speculative_tokens out (n-gram needs it given).
+DEFAULT_DRAFTER_TOKENS = 3
 _SPEC_NOT_WIRED = {
-    "draft_model": "speculative method 'draft_model' is not wired into the engine yet; use 'ngram'",
-    "dspark": "speculative method 'dspark' is not wired into the engine yet; use 'ngram'",
     "mtp": "speculative method 'mtp' is reserved for DeepSeek-V4's multi-token prediction and does not exist yet",
 }
 MAX_SPEC_TOKENS = 8
@@ -167,7 +167,7 @@ class SpecConfig:
     prompt_lookup_max: int = 3
     adaptive: str = "off"  # off | phase
     phase_k: tuple[tuple[str, int], ...] = ()  # (phase, K) pairs
-    model: str | None = None  # the drafter's directory (draft_model / dspark; not wired yet)
+    model: str | None = None  # the drafter's directory (draft_model / dspark; default: the target's draft/, dspark/)
     max_k: int = 0
 
     def __post_init__(self) -> None:
@@ -208,9 +208,10 @@ class SpecConfig:
             raise ValueError(f"--speculative-config: method: {_SPEC_NOT_WIRED[method]}")
         if method not in SPEC_METHODS:
             raise ValueError(f"--speculative-config: method must be one of ngram, draft_model, dspark, got {method!r}")
-        if "num_speculative_tokens" not in value:
+        if "num_speculative_tokens" not in value and method == "ngram":
             raise ValueError("--speculative-config: num_speculative_tokens (Kmax) is required")
-        kmax = _spec_int("num_speculative_tokens", value["num_speculative_tokens"], 1, MAX_SPEC_TOKENS)
+        kmax = _spec_int("num_speculative_tokens", value.get("num_speculative_tokens", DEFAULT_DRAFTER_TOKENS), 1,
+                         MAX_SPEC_TOKENS)
         lo = _spec_int("prompt_lookup_min", value.get("prompt_lookup_min", 1), 1, 64)
         hi = _spec_int("prompt_lookup_max", value.get("prompt_lookup_max", max(3, lo)), 1, 64)
         if lo > hi:

@@ -94,8 +94,9 @@ def test_cuda_graph_replays_a_batch_of_mixed_draft_lengths_padded(tmp_path, kind
     for r, k in zip(reqs, (0, 2, 3, 1)):
         assert eng.kv.allocate_slots(r, 1 + k)
         batch.append(ScheduledRequest.of(r, 1, tuple(range(100, 100 + k))))
-    graph_logits, graphed = eng.runner.execute(batch)
-    assert graphed
+    out = eng.runner.execute(batch)
+    graph_logits = out.logits
+    assert out.graphed
     ids, pos, step = eng.runner.build_step(batch)
     with torch.inference_mode():
         eager_logits = eng.model.compute_logits(eng.model(ids, pos, step)[step.logits_indices])
@@ -103,3 +104,34 @@ def test_cuda_graph_replays_a_batch_of_mixed_draft_lengths_padded(tmp_path, kind
     tol = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(graph_logits, eager_logits, atol=tol * eager_logits.abs().max().item(), rtol=tol)
     assert (graph_logits.argmax(-1) == eager_logits.argmax(-1)).float().mean() >= (1.0 if dtype == "float32" else 0.9)
+
+
+def _count(llm: LLM, name: str, mode: str) -> float:
+    total = 0.0
+    for metric in llm.engine.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == f"tandem:{name}_total" and s.labels.get("mode") == mode:
+                total += s.value
+    return total
+
+
+@pytest.mark.parametrize("method", ["draft_model", "dspark"])
+def test_drafters_and_verify_steps_replay_cuda_graphs(method):
+    """On the demo pair (bf16), after start-up every decode and verify step of the target and every
+    drafter forward replays a captured graph, greedy and sampled, with K mixed by phase."""
+    from tandem.builtin import demo_model_dir
+
+    llm = LLM(str(demo_model_dir()), device="cuda", kv_cache_memory="512MiB", max_num_seqs=4,
+              speculative_config={"method": method, "num_speculative_tokens": 3, "adaptive": "phase",
+                                  "phase_k": {"reasoning": 3, "content": 2}})
+    eng = llm.engine
+    assert {(b, q) for b in (1, 2, 4) for q in (1, 2, 3, 4)} <= set(eng.runner.graphs)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (9, 30, 64)]
+    params = [SamplingParams(max_tokens=48, temperature=0.0), SamplingParams(max_tokens=48, temperature=0.8, seed=1),
+              SamplingParams(max_tokens=48, temperature=0.0)]
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) > 0 for o in outs)
+    assert _count(llm, "model_steps", "eager") == 0 and _count(llm, "model_steps", "cuda_graph") > 0
+    assert _count(llm, "spec_decode_drafter_steps", "eager") == 0
+    assert _count(llm, "spec_decode_drafter_steps", "cuda_graph") > 0

@@ -287,8 +287,6 @@ def test_good_configs_parse():
     ({"method": "ngram", "num_speculative_tokens": 3, "foo": 1}, "unknown key 'foo'"),
     ({"method": "medusa", "num_speculative_tokens": 3}, "method must be one of"),
     ({"num_speculative_tokens": 3}, "method must be one of"),
-    ({"method": "draft_model", "num_speculative_tokens": 3}, "'draft_model' is not wired"),
-    ({"method": "dspark", "num_speculative_tokens": 3}, "'dspark' is not wired"),
     ({"method": "mtp", "num_speculative_tokens": 1}, "'mtp' is reserved for DeepSeek-V4"),
     ({"method": "ngram"}, "num_speculative_tokens (Kmax) is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 8]"),

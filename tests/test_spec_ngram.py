@@ -101,7 +101,7 @@ def test_proposer_per_request_k_and_incremental_catch_up():
     proposer = NgramProposer(min_n=1, max_n=3)
     for step in range(40):
         ks = [rng.choice([0, 1, 3, 6]) for _ in reqs]
-        drafts = proposer.propose(reqs, ks)
+        drafts = [d.tokens for d in proposer.propose(reqs, ks)]
         for req, k, draft in zip(reqs, ks, drafts):
             assert draft == brute_force(req.prompt_token_ids + req.output_token_ids, k, 1, 3)
             req.output_token_ids += [rng.randrange(4) for _ in range(rng.randint(1, 4))]
@@ -114,16 +114,16 @@ def test_proposer_per_request_k_and_incremental_catch_up():
 def test_proposer_k_zero_builds_nothing_and_shrunk_lists_rebuild():
     proposer = NgramProposer()
     req = _Req("a", [1, 2, 3, 1, 2])
-    assert proposer.propose([req], [0]) == [[]] and len(proposer) == 0
-    assert proposer.propose([req], [2]) == [[3, 1]]
+    assert [d.tokens for d in proposer.propose([req], [0])] == [[]] and len(proposer) == 0
+    assert [d.tokens for d in proposer.propose([req], [2])] == [[3, 1]]
     req.output_token_ids = [9, 1]  # grows: caught up
-    assert proposer.propose([req], [3]) == [[2, 9, 1]]  # [1] last seen at 3
+    assert [d.tokens for d in proposer.propose([req], [3])] == [[2, 9, 1]]  # [1] last seen at 3
     req.prompt_token_ids, req.output_token_ids = [4, 5, 4], []  # shorter than the index: rebuilt
-    assert proposer.propose([req], [3]) == [[5, 4]]
+    assert [d.tokens for d in proposer.propose([req], [3])] == [[5, 4]]
     with pytest.raises(ValueError, match="one k per request"):
         proposer.propose([req], [1, 2])
 
 
 def test_proposer_reads_engine_requests():
     req = Request("r", [10, 11, 12, 10], SamplingParams(), output_token_ids=[11])
-    assert NgramProposer(min_n=2, max_n=2).propose([req], [2]) == [[12, 10]]
+    assert NgramProposer(min_n=2, max_n=2).propose([req], [2])[0].tokens == [12, 10]

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ from tandem.models.base import CausalLM
 from tandem.models.loader import inspect_checkpoint, load_checkpoint
 from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, kv_blocks
 from tandem.spec.controller import SpecDecoder
+from tandem.spec.proposer import Draft
 from tandem.spec.verify import VerifyResult, accept_greedy, is_plain_greedy, verify
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -111,22 +112,19 @@ class LLMEngine:
                 "--max-model-len %d exceeds the model's max_position_embeddings %d; outputs past it "
                 "are not what the model was trained for", mc.max_model_len, self.model.max_position_embeddings,
             )
+        self.sampler = Sampler(self.device, mc.seed)
+        self.spec = self._load_spec() if config.spec.enabled else None
         groups = group_layers(self.model.kv_cache_specs())
         block_size = config.cache.block_size
         num_blocks = self._plan_kv_blocks(groups, block_size)
-        self.kv = KVCacheManager(groups, num_blocks, block_size, config.cache.enable_prefix_caching)
+        min_compute = self.spec.min_prefill_compute if self.spec else 1
+        self.kv = KVCacheManager(groups, num_blocks, block_size, config.cache.enable_prefix_caching, min_compute)
         self.kv_caches = allocate_kv_caches(self.model, groups, num_blocks, block_size, self.device)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(self.model, self.kv, self.device)
-        self._capture_graphs()
-        self.sampler = Sampler(self.device, mc.seed)
-        sc = config.spec
-        self.spec = SpecDecoder(sc, self.tokenizer, self.max_model_len) if sc.enabled else None
         if self.spec is not None:
-            phase_k = f", phase_k {dict(sc.phase_k)}" if sc.adaptive == "phase" else ""
-            logger.info("Speculative decoding: %s, num_speculative_tokens %d (n-gram %d..%d), adaptive %s%s",
-                        sc.method, sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max,
-                        sc.adaptive, phase_k)
+            self.spec.allocate(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.spec.aux_layers if self.spec else ())
+        self._capture_graphs()
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, _ReqState] = {}
         self._window = StatsWindow(time.monotonic())
@@ -135,24 +133,46 @@ class LLMEngine:
         self._log_summary(num_blocks, block_size)
 
     # -- start-up planning ------------------------------------------------------------------
+    def _load_spec(self) -> SpecDecoder:
+        """The speculative-decoding stage, its drafter loaded and checked against the target (before
+        the KV cache is planned: a draft model's own cache shares the budget)."""
+        sc, mc = self.config.spec, self.config.model
+        spec = SpecDecoder.create(sc, self.tokenizer, self.max_model_len, self.model, mc.model, self.device,
+                                  self.config.scheduler.max_num_batched_tokens, self.sampler.generator_for)
+        draft_model = getattr(spec.proposer, "model", None)
+        if draft_model is not None:  # a draft model runs Tandem's layers: it gets the target's kernels
+            self._install_kernels(draft_model, log=False)
+        if sc.method == "ngram":
+            detail = f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}"
+        else:
+            detail = f"drafter {spec.drafter_path}"
+        phase_k = f", phase_k {dict(sc.phase_k)}" if sc.adaptive == "phase" else ""
+        logger.info("Speculative decoding: %s, num_speculative_tokens %d (%s), adaptive %s%s", sc.method,
+                    sc.num_speculative_tokens, detail, sc.adaptive, phase_k)
+        return spec
+
     def _set_cpu_threads(self) -> None:
         threads = self.runner_config.cpu_threads
         assert threads is not None, "RunnerConfig.resolve() fills cpu_threads"
         torch.set_num_threads(threads)  # process-wide: the CPU forward and CPU MoE experts use these
         logger.info("CPU threads: %d for torch (of %d usable cores; --cpu-threads)", threads, usable_cpus())
 
-    def _install_kernels(self) -> None:
-        """Put the configured attention backend and MoE executor into the model's layers."""
+    def _install_kernels(self, model: CausalLM | None = None, log: bool = True) -> None:
+        """Put the configured attention backend and MoE executor into the layers of `model` (the
+        target's by default)."""
         rc = self.runner_config
+        model = model or self.model
         from tandem.kernels.fused import set_fused_ops
 
         set_fused_ops(rc.fused_ops)  # process-wide; read when kernels run (and frozen into graphs)
-        for layer in self.model.attention_layers():
+        for layer in model.attention_layers():
             layer.set_backend(get_attention_backend(rc.attention_backend))
-        if rc.moe_executor != "torch" and hasattr(self.model, "moe_blocks"):
+        if rc.moe_executor != "torch" and hasattr(model, "moe_blocks"):
             from tandem.kernels.moe_grouped import install_moe_executor
 
-            install_moe_executor(self.model, rc.moe_executor)
+            install_moe_executor(model, rc.moe_executor)
+        if not log:
+            return
         on_cuda = self.device.type == "cuda"
         fused = ("on" if on_cuda else "n/a (CPU runs the torch layers)") if rc.fused_ops else "off"
         logger.info("Kernels: attention %s, MoE %s, fused small ops %s", rc.attention_backend, rc.moe_executor, fused)
@@ -172,8 +192,13 @@ class LLMEngine:
         if blockers:
             logger.warning("CUDA graphs off: %s cannot be captured; decode runs eagerly (slow)", " and ".join(blockers))
             return
-        query_lens = tuple(range(1, self.config.spec.max_k + 2))  # decode, and verify of 1..Kmax drafts
-        self.runner.capture(self.config.scheduler.max_num_seqs, query_lens, self.max_model_len)
+        families = {"decode": (1,)}
+        if self.config.spec.max_k:  # verify of 1..Kmax drafts
+            families["verify"] = tuple(range(2, self.config.spec.max_k + 2))
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        self.runner.capture(max_num_seqs, families, self.max_model_len)
+        if self.spec is not None:
+            self.spec.capture(max_num_seqs, self.max_model_len)
 
     def _check_weights_fit(self, weights_bytes: int) -> None:
         if self.device.type != "cuda":
@@ -188,7 +213,9 @@ class LLMEngine:
             )
 
     def _plan_kv_blocks(self, groups, block_size: int) -> int:  # noqa: ANN001
+        # A draft model's own KV cache holds as many blocks as the target's: they share the budget.
         bytes_per_block = sum(g.bytes_per_block(block_size) for g in groups)
+        bytes_per_block += self.spec.kv_bytes_per_block(block_size) if self.spec else 0
         cc = self.config.cache
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
@@ -316,25 +343,33 @@ class LLMEngine:
         fail alone (`_sample`), a failure to postprocess only its request. Raises
         EngineFatalError when the engine cannot go on."""
         try:
-            sched = self.scheduler.schedule(self.spec.propose(self.scheduler.running) if self.spec else None)
+            drafts = self.spec.propose(self.scheduler.running) if self.spec else {}
+            if self.spec is not None:
+                self._count_spec_step()
+            sched = self.scheduler.schedule({rid: d.tokens for rid, d in drafts.items()})
         except Exception as e:  # noqa: BLE001 - the queues were mid-update: no request is above suspicion
             return self._fail_step("scheduling", e, list(self.scheduler.requests.values()))
         outputs = [self._reject(r) for r in sched.rejected]
         if not sched.is_empty:
             try:
-                logits, graphed = self.runner.execute(sched.scheduled)
+                forward = self.runner.execute(sched.scheduled)
             except Exception as e:  # noqa: BLE001 - one forward pass for all: nothing singles a request out
                 return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
             self._failed_steps = 0
-            self.metrics.model_steps.labels(model_name=self.model_name, mode="cuda_graph" if graphed else "eager").inc()
-            results = self._sample(logits, sched.scheduled)
+            self.metrics.model_steps.labels(model_name=self.model_name, mode=forward.mode).inc()
+            results = self._sample(forward.logits, sched.scheduled, drafts)
             accepted = {s.request.request_id: r.num_accepted for s, r in results if isinstance(r, VerifyResult)}
             self.scheduler.update_after_step(sched, accepted)  # rejected drafts' slots go back here
+            if self.spec is not None:
+                try:
+                    self.spec.observe(sched, accepted, forward.aux)
+                except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
+                    return outputs + self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
             outputs += self._postprocess(sched, results)
         self._update_gauges()
         return outputs
 
-    def _sample(self, logits: torch.Tensor, batch: list[ScheduledRequest]
+    def _sample(self, logits: torch.Tensor, batch: list[ScheduledRequest], drafts: Mapping[str, Draft]
                 ) -> list[tuple[ScheduledRequest, VerifyResult | Exception]]:
         """The new tokens of every request that samples this step (logits [R, V]: each one's
         `num_logits` rows, in batch order), or the error that failed it alone.
@@ -362,15 +397,18 @@ class LLMEngine:
             results[i] = VerifyResult(tokens, n)
         for i, s in enumerate(sampling):
             if s.draft and i not in batched:
-                results[i] = self._verify(s, logits[offsets[i] : offsets[i + 1]])
+                draft = drafts[s.request.request_id].cut(len(s.draft))  # the scheduler may cut a draft
+                results[i] = self._verify(s, logits[offsets[i] : offsets[i + 1]], draft.probs)
         return list(zip(sampling, results))
 
-    def _verify(self, s: ScheduledRequest, logits: torch.Tensor) -> VerifyResult | Exception:
-        """Verify one request's draft on its logits rows [1 + K, V]; an error fails it alone."""
+    def _verify(self, s: ScheduledRequest, logits: torch.Tensor, draft_probs: torch.Tensor | None
+                ) -> VerifyResult | Exception:
+        """Verify one request's draft on its logits rows [1 + K, V] (draft_probs: the q its tokens
+        were drawn from, None for deterministic drafts); an error fails it alone."""
         req = s.request
         try:
             generator = None if req.params.greedy else self.sampler.generator_for(req)
-            return verify(req, list(s.draft), logits, generator=generator)
+            return verify(req, list(s.draft), logits, draft_probs, generator=generator)
         except Exception as e:  # noqa: BLE001 - a bad request must not fail the batch
             self._raise_if_fatal("sampling", e)
             return e
@@ -430,8 +468,19 @@ class LLMEngine:
 
     def _count_draft(self, req: Request, num_draft: int, num_accepted: int) -> None:
         assert self.spec is not None
-        self.metrics.count_draft(self.spec.phase(req), num_draft, num_accepted)
-        self._window.count_draft(num_draft, num_accepted)
+        phase = self.spec.phase(req)
+        self.metrics.count_draft(phase, num_draft, num_accepted)
+        self._window.count_draft(phase, num_draft, num_accepted)
+
+    def _count_spec_step(self) -> None:
+        """The K each request got this step, by phase, and the drafter's forwards (graph or eager)."""
+        assert self.spec is not None
+        for phase, k in self.spec.chosen_k:
+            self.metrics.count_k(phase, k)
+            self._window.count_k(phase, k)
+        for mode, n in self.spec.take_drafter_forwards().items():
+            if n:
+                self.metrics.drafter_steps.labels(model_name=self.model_name, mode=mode).inc(n)
 
     def _append_tokens(self, req: Request, tokens: list[int], lps: list[TokenLogprobs] | None,
                        now: float) -> RequestOutput:

@@ -3,6 +3,7 @@ periodic stats line the engine logs while busy."""
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
@@ -27,8 +28,12 @@ class EngineMetrics:
         self.prefix_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r)
         self.prefix_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r)
         self.preemptions = Counter("tandem:num_preemptions", "Requests preempted (to be recomputed).", labels, registry=r)
-        self.model_steps = Counter("tandem:model_steps", "Forward passes, by how they ran (cuda_graph or eager).",
+        self.model_steps = Counter("tandem:model_steps", ("Forward passes, by how they ran: cuda_graph; prefill (a step with a "
+                                   "prefill chunk, eager by design); eager (a decode or verify step without a graph)."),
                                    labels + ["mode"], registry=r)
+        self.drafter_steps = Counter("tandem:spec_decode_drafter_steps",
+                                     "Drafter forward passes, by how they ran (cuda_graph or eager).",
+                                     labels + ["mode"], registry=r)
         self.success = Counter("tandem:request_success", "Finished requests.", labels + ["finished_reason"], registry=r)
         # Speculative decoding, vLLM's names; each also labelled with the request's phase.
         spec = labels + ["phase"]
@@ -40,6 +45,8 @@ class EngineMetrics:
         self.spec_accepted_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position in the draft (0: first).",
                                              spec + ["position"], registry=r)
+        self.spec_k = Counter("tandem:spec_decode_k", "Request-steps by chosen draft depth K and phase", spec + ["k"],
+                              registry=r)
         self.model_name = model_name
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
@@ -54,6 +61,53 @@ class EngineMetrics:
         for pos in range(num_accepted):
             self.spec_accepted_per_pos.labels(**labels, position=str(pos)).inc()
 
+    def count_k(self, phase: str, k: int) -> None:
+        """One request-step that chose draft depth `k` (0: no draft) in `phase`."""
+        self.spec_k.labels(model_name=self.model_name, phase=phase, k=str(k)).inc()
+
+
+@dataclass
+class DraftCounts:
+    """Verified drafts of one phase (or of all phases together)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [position]: drafts accepted there
+
+    def add(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def merge(self, other: DraftCounts) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
+        for pos, a in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[pos] += a
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 (the target's own token) + accepted draft tokens per draft."""
+        return 1 + self.num_accepted_tokens / self.num_drafts
+
+    @property
+    def acceptance_pct(self) -> float:
+        return 100.0 * self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_pos(self) -> str:
+        """Acceptance rate at each draft position, over all drafts (a position a short draft lacks
+        counts as rejected), as vLLM prints it: '0.550, 0.300'."""
+        return ", ".join(f"{a / self.num_drafts:.3f}" for a in self.accepted_per_pos)
+
 
 @dataclass
 class StatsWindow:
@@ -64,19 +118,25 @@ class StatsWindow:
     prefix_hits_at_start: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [position]: drafts accepted there
+    drafts: dict[str, DraftCounts] = field(default_factory=dict)  # {phase: its verified drafts}
+    ks: dict[str, collections.Counter[int]] = field(default_factory=dict)  # {phase: {K: request-steps that chose it}}
 
-    def count_draft(self, num_draft: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_draft:
-            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
-        for pos in range(num_accepted):
-            self.accepted_per_pos[pos] += 1
+    def count_draft(self, phase: str, num_draft: int, num_accepted: int) -> None:
+        """One verified draft of `num_draft` tokens, in `phase`, whose first `num_accepted` were accepted."""
+        self.drafts.setdefault(phase, DraftCounts()).add(num_draft, num_accepted)
+
+    def count_k(self, phase: str, k: int) -> None:
+        """One request-step's chosen draft depth `k` in `phase` (0: no draft). The draft verified
+        may be shorter than K (a proposer can find fewer tokens); this counts the choice."""
+        self.ks.setdefault(phase, collections.Counter())[k] += 1
+
+    @property
+    def total(self) -> DraftCounts:
+        """The drafts of every phase together."""
+        out = DraftCounts()
+        for counts in self.drafts.values():
+            out.merge(counts)
+        return out
 
     def line(self, running: int, waiting: int, kv_usage: float, prefix_queries: int, prefix_hits: int) -> str:
         dt = max(time.monotonic() - self.start, 1e-9)
@@ -90,15 +150,39 @@ class StatsWindow:
         ) + self._spec_part(dt)
 
     def _spec_part(self, dt: float) -> str:
-        """vLLM's `SpecDecoding metrics:` part; empty when no draft was verified in the window.
-        Per-position rates are over all drafts (a position a short draft lacks counts as rejected)."""
-        if not self.num_drafts:
+        """vLLM's `SpecDecoding metrics:` part for all phases together, then `[phase] ...` for each
+        phase that had drafts and `K: phase {K: share, ...}` (shares of that phase's request-steps,
+        largest first). A window that counted K but verified no draft (every K was 0) says 'no
+        drafts' in place of vLLM's part. Empty when the window saw neither."""
+        total = self.total
+        if not total.num_drafts and not self.ks:
             return ""
-        n, drafted, accepted = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
-        per_pos = ", ".join(f"{a / n:.3f}" for a in self.accepted_per_pos)
+        parts = [self._overall(total, dt) if total.num_drafts else "no drafts"]
+        parts += [self._phase_part(phase, c) for phase, c in sorted(self.drafts.items())]
+        if self.ks:
+            parts.append("K: " + ", ".join(f"{phase} {_shares(ks)}" for phase, ks in sorted(self.ks.items())))
+        return "; SpecDecoding metrics: " + "; ".join(parts)
+
+    @staticmethod
+    def _overall(c: DraftCounts, dt: float) -> str:
+        drafted, accepted = c.num_draft_tokens, c.num_accepted_tokens
         return (
-            f"; SpecDecoding metrics: Mean acceptance length: {1 + accepted / n:.2f}, "
+            f"Mean acceptance length: {c.mean_acceptance_length:.2f}, "
             f"Accepted throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, "
-            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {per_pos}, "
-            f"Avg Draft acceptance rate: {100.0 * accepted / drafted:.1f}%"
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {c.per_pos}, "
+            f"Avg Draft acceptance rate: {c.acceptance_pct:.1f}%"
         )
+
+    @staticmethod
+    def _phase_part(phase: str, c: DraftCounts) -> str:
+        return (
+            f"[{phase}] mean acceptance length {c.mean_acceptance_length:.2f}, "
+            f"accepted {c.num_accepted_tokens}/{c.num_draft_tokens} "
+            f"({c.acceptance_pct:.1f}%), per-position {c.per_pos}"
+        )
+
+
+def _shares(ks: collections.Counter[int]) -> str:
+    """'{1: 80%, 0: 20%}': each K's share of the request-steps, largest first (ties: smaller K first)."""
+    n = sum(ks.values())
+    return "{" + ", ".join(f"{k}: {100.0 * c / n:.0f}%" for k, c in sorted(ks.items(), key=lambda kc: (-kc[1], kc[0]))) + "}"

@@ -14,6 +14,9 @@ request's query is padded at its end to q tokens. A pad token writes its K/V int
 and its logits row is dropped; the attention kernels place query row j at cache position
 seq_len - q + j, so with seq_len padded by as much the real rows keep their positions and their
 causal masks, and never see a pad.
+
+A runner built with `aux_layers` (a drafter that reads the target's hidden states: DSpark) also
+returns those layers' outputs for every real query token of the step, packed in batch order.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ def allocate_kv_caches(
     return caches
 
 
+def _has_prefill(batch: list[ScheduledRequest]) -> bool:
+    """Whether a step holds a prefill chunk (a request that samples nothing, or more query tokens
+    than logits rows): such steps run eagerly."""
+    return not all(s.samples and s.num_tokens == s.num_logits for s in batch)
+
+
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Batch sizes graphs are captured for: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
     sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs} | set(range(16, max_num_seqs + 1, 16))
@@ -62,17 +71,38 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [bucket * q, V] float32, the graph's output
+    aux: torch.Tensor | None  # [bucket * q, F]: the aux layers' outputs, with aux_layers
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """One forward pass's results."""
+
+    logits: torch.Tensor  # [R, V] float32: each request's `num_logits` rows, in batch order
+    # How it ran: "cuda_graph"; "prefill" (a step with a prefill chunk: eager by design); "eager"
+    # (a decode or verify step that ran eagerly: graphs are off, or none fits its shape).
+    mode: str
+    # [T, F] with aux_layers: the aux layers' outputs (concatenated) of every real query token, in
+    # batch order (request i's `num_tokens` rows, draft tokens included); else None.
+    aux: torch.Tensor | None = None
+
+    @property
+    def graphed(self) -> bool:
+        return self.mode == "cuda_graph"
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv: KVCacheManager, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, kv: KVCacheManager, device: torch.device,
+                 aux_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.kv = kv
         self.device = device
+        self.aux_layers = aux_layers
         self.block_size = kv.block_size
         self.sink_block = kv.num_blocks  # see allocate_kv_caches
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buckets: tuple[int, ...] = ()
+        self._warned: set[tuple[int, int]] = set()  # step shapes that fell back to eager
 
     # -- inputs -------------------------------------------------------------------------------
     def build_step(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
@@ -129,21 +159,38 @@ class ModelRunner:
 
     # -- execution ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, bool]:
-        """Run one forward pass. Returns (logits [R, V] float32: each request's `num_logits` rows,
-        in batch order; whether a CUDA graph ran)."""
+    def execute(self, batch: list[ScheduledRequest]) -> ForwardOutput:
+        """Run one forward pass over the batch (a CUDA graph when its shape has one)."""
+        prefill = _has_prefill(batch)
         key = self._graph_key(batch)
         if key is not None:
-            return self._replay(batch, key), True
+            return self._replay(batch, key)
+        if self.graphs and not prefill:
+            self._warn_fallback(batch)
         input_ids, positions, step = self.build_step(batch)
-        hidden = self.model(input_ids, positions, step)  # [T, H]
-        return self.model.compute_logits(hidden[step.logits_indices]), False  # [R, V]
+        hidden, aux = self._forward(input_ids, positions, step)  # [T, H], [T, F] | None
+        logits = self.model.compute_logits(hidden[step.logits_indices])  # [R, V]
+        return ForwardOutput(logits, "prefill" if prefill else "eager", aux)
+
+    def _warn_fallback(self, batch: list[ScheduledRequest]) -> None:
+        """A decode or verify step with no captured graph runs eagerly: say so, once per shape."""
+        shape = (len(batch), max(s.num_tokens for s in batch))
+        if shape not in self._warned:
+            self._warned.add(shape)
+            logger.warning("no CUDA graph for a step of %d requests with up to %d query tokens (captured: batch "
+                           "buckets %s, query lengths %s); it runs eagerly (slow)", shape[0], shape[1],
+                           list(self.buckets), sorted({q for _, q in self.graphs}))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.aux_layers:
+            return self.model.forward_with_aux(input_ids, positions, step, self.aux_layers)
+        return self.model(input_ids, positions, step), None
 
     def _graph_key(self, batch: list[ScheduledRequest]) -> tuple[int, int] | None:
-        if not self.graphs:
+        """The graph of a decode or verify step (prefill chunks run eagerly), padded to one q."""
+        if not self.graphs or _has_prefill(batch):
             return None
-        if not all(s.samples and s.num_tokens == s.num_logits for s in batch):
-            return None  # prefill chunks run eagerly; decodes and verifies (padded to one q) replay
         q = max(s.num_tokens for s in batch)
         bucket = next((b for b in self.buckets if b >= len(batch)), None)
         if bucket is None or (bucket, q) not in self.graphs:
@@ -151,10 +198,12 @@ class ModelRunner:
         return bucket, q
 
     # -- CUDA graphs ----------------------------------------------------------------------------
-    def capture(self, max_num_seqs: int, query_lens: tuple[int, ...], max_model_len: int) -> None:
-        """Capture decode graphs for every (batch bucket, query length). Logs progress and shapes."""
+    def capture(self, max_num_seqs: int, families: dict[str, tuple[int, ...]], max_model_len: int) -> None:
+        """Capture a graph for every (batch bucket, query length) of every family (a name for the
+        log, e.g. "decode": (1,), "verify": (2, 3)). Logs each family's shapes and progress."""
         self.buckets = batch_buckets(max_num_seqs)
-        max_b, max_q = self.buckets[-1], max(query_lens)
+        max_b = self.buckets[-1]
+        max_q = max(q for lens in families.values() for q in lens)
         n_groups = len(self.kv.groups)
         max_blocks = -(-max_model_len // self.block_size) + 1
         dev = self.device
@@ -168,26 +217,33 @@ class ModelRunner:
         self._slots = [torch.full((max_b * max_q,), self.sink_block * self.block_size, dtype=torch.int64, device=dev)
                        for _ in range(n_groups)]
         self._all_rows = torch.arange(max_b * max_q, dtype=torch.int64, device=dev)
-        shapes = [(b, q) for q in query_lens for b in reversed(self.buckets)]  # largest first: pool reuse
         pool = torch.cuda.graph_pool_handle()
-        start = time.perf_counter()
-        logger.info("Capturing CUDA graphs (decode): %d shapes, batch buckets %s x query lengths %s",
-                    len(shapes), list(self.buckets), list(query_lens))
+        start, total = time.perf_counter(), 0
         with torch.inference_mode():
-            for i, (b, q) in enumerate(shapes):
-                self._fill_static_pattern(b, q)
-                step = self._static_step(b, q)
-                ids, pos = self._ids[: b * q], self._pos[: b * q]
-                for _ in range(2):  # warm up: Triton JIT and allocator, outside the graph
-                    self.model.compute_logits(self.model(ids, pos, step))
-                torch.cuda.synchronize(dev)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.compute_logits(self.model(ids, pos, step))
-                self.graphs[(b, q)] = _Graph(graph, logits)
-                logger.info("Capturing CUDA graphs (decode): %d/%d (batch %d, query len %d)", i + 1, len(shapes), b, q)
+            for family, query_lens in families.items():
+                shapes = [(b, q) for q in query_lens for b in reversed(self.buckets)]  # largest first: pool reuse
+                logger.info("Capturing CUDA graphs (%s): %d shapes, batch buckets %s x query lengths %s",
+                            family, len(shapes), list(self.buckets), list(query_lens))
+                for i, (b, q) in enumerate(shapes):
+                    self.graphs[(b, q)] = self._capture_one(b, q, pool)
+                    logger.info("Capturing CUDA graphs (%s): %d/%d (batch %d, query len %d)", family, i + 1,
+                                len(shapes), b, q)
+                total += len(shapes)
         torch.cuda.synchronize(dev)
-        logger.info("Captured %d CUDA graphs in %.1f s", len(shapes), time.perf_counter() - start)
+        logger.info("Captured %d CUDA graphs in %.1f s", total, time.perf_counter() - start)
+
+    def _capture_one(self, b: int, q: int, pool: tuple[int, int]) -> _Graph:
+        self._fill_static_pattern(b, q)
+        step = self._static_step(b, q)
+        ids, pos = self._ids[: b * q], self._pos[: b * q]
+        for _ in range(2):  # warm up: Triton JIT and allocator, outside the graph
+            self.model.compute_logits(self._forward(ids, pos, step)[0])
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden, aux = self._forward(ids, pos, step)
+            logits = self.model.compute_logits(hidden)
+        return _Graph(graph, logits, aux)
 
     def _fill_static_pattern(self, b: int, q: int) -> None:
         self._qsl[: b + 1].copy_(torch.arange(0, (b + 1) * q, q, dtype=torch.int32))
@@ -206,7 +262,7 @@ class ModelRunner:
             max_query_len=q,
         )
 
-    def _replay(self, batch: list[ScheduledRequest], key: tuple[int, int]) -> torch.Tensor:
+    def _replay(self, batch: list[ScheduledRequest], key: tuple[int, int]) -> ForwardOutput:
         bucket, q = key
         n = len(batch)
         input_ids, positions, _, seq_lens, _, slots, tables = self._host_inputs(batch)
@@ -240,4 +296,9 @@ class ModelRunner:
         entry.graph.replay()
         # Request i needs the last num_logits of its real rows i*q .. i*q+num_tokens-1.
         rows = [i * q + s.num_tokens - s.num_logits + j for i, s in enumerate(batch) for j in range(s.num_logits)]
-        return entry.logits[torch.tensor(rows, device=self.device)]
+        logits = entry.logits[torch.tensor(rows, device=self.device)]
+        aux = None
+        if entry.aux is not None:  # every real row (indexing copies: the next replay overwrites the graph's)
+            real = [i * q + j for i, s in enumerate(batch) for j in range(s.num_tokens)]
+            aux = entry.aux[torch.tensor(real, device=self.device)]
+        return ForwardOutput(logits, "cuda_graph", aux)

@@ -39,13 +39,18 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
+        min_compute: int = 1,
     ) -> None:
+        """min_compute: prompt tokens a prefix hit leaves to compute (at least 1: the last token's
+        logits are needed; a drafter that reads the target's hidden states of the last W positions
+        needs W)."""
         if not groups:
             raise ValueError("a model needs at least one KV cache group")
         self.groups = groups
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
+        self.min_compute = max(1, min_compute)
         # Every group here is a `full` group: one pool each, all growing at the same rate.
         self.pools = [BlockPool(num_blocks, enable_prefix_caching) for _ in groups]
         self.req_blocks: dict[str, list[list[Block]]] = {}
@@ -72,7 +77,7 @@ class KVCacheManager:
         """Hashes of the request's full blocks within its first `upto_tokens` tokens (memoised)."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
         tokens = req.all_token_ids
-        n_full = min(upto_tokens, len(tokens)) // self.block_size
+        n_full = max(0, min(upto_tokens, len(tokens))) // self.block_size
         while len(hashes) < n_full:
             i = len(hashes)
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
@@ -80,11 +85,10 @@ class KVCacheManager:
         return hashes[:n_full]
 
     def find_prefix(self, req: Request) -> PrefixHit:
-        """Longest cached prefix of the request, leaving at least one token to compute (its logits
-        are needed)."""
+        """Longest cached prefix of the request, leaving at least `min_compute` tokens to compute."""
         if not self.enable_prefix_caching:
             return PrefixHit([[] for _ in self.groups], 0)
-        hashes = self._block_hashes(req, req.num_tokens - 1)
+        hashes = self._block_hashes(req, req.num_tokens - self.min_compute)
         hit: list[list[Block]] = [[] for _ in self.groups]
         for h in hashes:
             found = [pool.lookup(h) for pool in self.pools]
@@ -145,6 +149,9 @@ class KVCacheManager:
         held = self.req_blocks.get(req.request_id)
         if held is None:
             return
+        hashes = self.req_hashes.get(req.request_id)
+        if hashes is not None:  # memoised over tokens that may now change (a drafter's rolled-back drafts)
+            del hashes[num_tokens // self.block_size :]
         keep = self.blocks_needed(num_tokens)
         for g, pool in enumerate(self.pools):
             extra = held[g][keep:]

@@ -28,6 +28,13 @@ class CausalLM(nn.Module):
         """input_ids [T] int64, positions [T] int64 -> hidden states [T, H]."""
         raise NotImplementedError
 
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, also returning the outputs of decoder layers `layers` (0-based; the residual
+        stream after each, before the final norm), concatenated in that order: (hidden [T, H],
+        aux [T, len(layers) * H]). A drafter that reads the target's hidden states (DSpark) needs it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot give a drafter its layers' hidden states")
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> logits [S, V] float32."""
         raise NotImplementedError

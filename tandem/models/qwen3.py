@@ -109,14 +109,21 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
+                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """-> (final hidden states [T, H], {layer: that layer's output [T, H]} for `aux_layers`).
+        A layer's output is the residual stream after it (its block output plus its residual),
+        before the final norm even for the last layer."""
         hidden = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, D] each, shared by all layers
         residual = None
-        for layer in self.layers:
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, cos, sin, step)
+            if i in aux_layers:
+                aux[i] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden, aux
 
 
 class Qwen3ForCausalLM(CausalLM):
@@ -134,7 +141,12 @@ class Qwen3ForCausalLM(CausalLM):
         return SwiGLUMLP(self.args.hidden_size, self.args.intermediate_size, self.args.hidden_act)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, step)
+        return self.model(input_ids, positions, step)[0]
+
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, aux = self.model(input_ids, positions, step, layers)
+        return hidden, torch.cat([aux[i] for i in layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -16,19 +16,49 @@ n-gram index.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
 
 from tandem.config import SpecConfig
 from tandem.core import Request
+from tandem.engine.scheduler import SchedulerOutput
+from tandem.models.base import CausalLM
 from tandem.spec.ngram import NgramProposer
+from tandem.spec.proposer import Draft, Proposer
 from tandem.spec.phase import CONTENT, Phase, PhaseMarkers, PhaseTracker
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")
 
 K_LOG_INTERVAL_S = 1.0  # rate limit of the INFO line on a request's K change
+
+
+def drafter_dir(config: SpecConfig, target_dir: str, default: str) -> Path:
+    """The drafter's directory: the config's `model`, else `<target>/<default>` (the shipped demo
+    model holds its drafters in `draft/` and `dspark/`). ValueError naming the key when absent."""
+    if config.model is not None:
+        path = Path(config.model).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"--speculative-config: model: no such directory {path} (the {config.method} drafter)")
+        return path
+    path = Path(target_dir) / default
+    if not path.is_dir():
+        raise ValueError(f"--speculative-config: model is required for method {config.method!r}: the target has no "
+                         f"{default}/ directory ({path}); give the drafter's directory")
+    return path
+
+
+def _config_vocab(path: Path) -> int:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        return int(cfg["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--speculative-config: model: {path / 'config.json'} has no readable vocab_size ({e})") from None
 
 
 class _Tracked:
@@ -41,16 +71,109 @@ class _Tracked:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig, tokenizer: Tokenizer, max_model_len: int) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} is not wired into the engine")
+    """The speculative-decoding stage of one engine: K policy, proposer and phase tracking.
+
+    Build it with `SpecDecoder.create`, which loads the drafter (checking it against the target)
+    before the engine plans its memory; then the engine sizes the drafter's KV cache
+    (`kv_bytes_per_block`, `allocate`), builds its runner with `aux_layers`, and captures graphs
+    (`capture`)."""
+
+    def __init__(self, config: SpecConfig, tokenizer: Tokenizer, max_model_len: int, proposer: Proposer,
+                 drafter_path: Path | None = None) -> None:
         self.config = config
+        self.drafter_path = drafter_path  # draft_model / dspark: the directory the drafter came from
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer
         self.markers = PhaseMarkers.from_tokenizer(tokenizer)
         self._tracked: dict[str, _Tracked] = {}
         self._last_k_log = -K_LOG_INTERVAL_S  # monotonic time of the last INFO line on a K change
         self._unlogged_k_changes = 0
+        self.drafter_forwards = {"cuda_graph": 0, "eager": 0}  # since the last take_drafter_forwards
+        self.chosen_k: list[tuple[Phase, int]] = []  # (phase, K) of each request the last propose saw
+
+    @classmethod
+    def create(cls, config: SpecConfig, tokenizer: Tokenizer, max_model_len: int, target: CausalLM,
+               target_dir: str, device: torch.device, max_batched_tokens: int,
+               generator_for: Callable[[Request], torch.Generator]) -> SpecDecoder:
+        """Load the configured proposer. Raises ValueError with one line naming the key for a
+        drafter that is missing or does not fit the target."""
+        spec: SpecDecoder | None = None
+
+        def count(graphed: bool) -> None:
+            assert spec is not None
+            spec.drafter_forwards["cuda_graph" if graphed else "eager"] += 1
+
+        proposer: Proposer
+        path: Path | None = None
+        if config.method == "ngram":
+            proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "draft_model":
+            from tandem.models.loader import load_checkpoint
+            from tandem.spec.draft_model import DraftModelProposer
+
+            path = drafter_dir(config, target_dir, "draft")
+            draft_vocab = _config_vocab(path)
+            DraftModelProposer.check_tokenizer(path, tokenizer, int(target.hf_config["vocab_size"]), draft_vocab)
+            model = load_checkpoint(path, target.dtype, device)[0]
+            if model.max_position_embeddings < max_model_len:
+                logger.warning("the draft model's max_position_embeddings %d is below --max-model-len %d: it drafts "
+                               "past what it was trained for", model.max_position_embeddings, max_model_len)
+            proposer = DraftModelProposer(model, device, max_batched_tokens, generator_for, count)
+        elif config.method == "dspark":
+            from tandem.spec.dspark import DSparkDrafter, DSparkFormatError
+            from tandem.spec.dspark_proposer import DSparkProposer
+
+            path = drafter_dir(config, target_dir, "dspark")
+            try:
+                drafter = DSparkDrafter.from_dir(path, target.dtype, device)
+            except DSparkFormatError as e:
+                raise ValueError(f"--speculative-config: model: {e}") from None
+            hf = target.hf_config
+            try:
+                drafter.check_target(int(hf["num_hidden_layers"]), int(hf["hidden_size"]), int(hf["vocab_size"]))
+            except ValueError as e:
+                raise ValueError(f"--speculative-config: model: {e}") from None
+            drafter.bind_target(dict(target.named_parameters()), float(hf.get("rms_norm_eps", 1e-6)))
+            proposer = DSparkProposer(drafter, config.num_speculative_tokens, device, generator_for, count)
+        else:
+            raise ValueError(f"speculative method {config.method!r} is not wired into the engine")
+        spec = cls(config, tokenizer, max_model_len, proposer, path)
+        return spec
+
+    def take_drafter_forwards(self) -> dict[str, int]:
+        """Drafter forwards by mode (cuda_graph / eager) since the last call."""
+        counts, self.drafter_forwards = self.drafter_forwards, {"cuda_graph": 0, "eager": 0}
+        return counts
+
+    # -- what the engine plans around the proposer ----------------------------------------------
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the proposer reads (DSpark), else ()."""
+        return tuple(getattr(self.proposer, "aux_layers", ()))
+
+    @property
+    def min_prefill_compute(self) -> int:
+        """Prompt tokens a prefix-cache hit must leave to compute: DSpark's window of hidden states."""
+        return int(getattr(self.proposer, "window", 1))
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """KV bytes the proposer needs per block of the target's (a draft model's own cache)."""
+        fn = getattr(self.proposer, "kv_bytes_per_block", None)
+        return fn(block_size) if fn else 0
+
+    def allocate(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if hasattr(self.proposer, "allocate"):
+            self.proposer.allocate(num_blocks, block_size, enable_prefix_caching)
+
+    def capture(self, max_num_seqs: int, max_model_len: int) -> None:
+        """CUDA graphs of the drafter's shapes (the n-gram proposer has none)."""
+        from tandem.spec.dspark_proposer import DSparkProposer
+        from tandem.spec.draft_model import DraftModelProposer
+
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.capture(max_num_seqs, max_model_len)
+        elif isinstance(self.proposer, DSparkProposer):
+            self.proposer.capture(max_num_seqs)
 
     def phase(self, req: Request) -> Phase:
         """The request's phase after the tokens it kept up to the last `propose`."""
@@ -64,18 +187,29 @@ class SpecDecoder:
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         return max(0, min(k, room))
 
-    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
+    def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
         """Drafts for requests past their prefill (request id -> 1..K tokens); a request with K = 0
-        or no n-gram match gets none and decodes one token as without speculation."""
+        or nothing proposed gets none and decodes one token as without speculation."""
         reqs = [r for r in requests if r.num_computed_tokens == r.num_tokens - 1]
         ks = [self.choose_k(r) for r in reqs]
+        self.chosen_k = []
         for req, k in zip(reqs, ks):
             tracked = self._tracked[req.request_id]
             if k != tracked.k and tracked.k is not None:
                 self._log_k_change(req.request_id, tracked.k, k, tracked.tracker.phase)
             tracked.k = k
-        drafts = self.proposer.propose(reqs, ks)
-        return {r.request_id: d for r, d in zip(reqs, drafts) if d}
+            self.chosen_k.append((tracked.tracker.phase, k))
+        drafts = self.proposer.propose(reqs, ks) if any(ks) else []
+        return {r.request_id: d for r, d in zip(reqs, drafts) if d.tokens}
+
+    def observe(self, sched: SchedulerOutput, accepted: Mapping[str, int], aux: torch.Tensor | None) -> None:
+        """After the step's verification: tell the proposer what each request kept (its query
+        tokens less the rejected drafts), and forget the requests preempted this step."""
+        kept = [s.num_tokens - len(s.draft) + min(accepted.get(s.request.request_id, 0), len(s.draft))
+                for s in sched.scheduled]
+        self.proposer.observe(sched.scheduled, kept, aux)
+        for req in sched.preempted:
+            self.remove(req.request_id)
 
     def _log_k_change(self, request_id: str, old: int, new: int, phase: Phase) -> None:
         """An INFO line when a request's K changes, at most one per K_LOG_INTERVAL_S (the next line

@@ -377,6 +377,36 @@ class DSparkDrafter(nn.Module):
         return DSparkDraft(tokens.masked_fill(~valid, -1), logits * valid[..., None], probs * valid[..., None],
                            self.confidence(z) * valid, k)
 
+    @torch.no_grad()
+    def draft_block(self, feats: torch.Tensor, known: torch.Tensor, kmax: int,
+                    inv_temp: torch.Tensor | None = None, gumbel: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The serving path: `kmax` drafts for every request, with device tensors only (no host
+        sync, fixed shapes), so a CUDA graph can capture it. Drafts are prefix-consistent, so the
+        caller cuts each request's block to its own k.
+
+        feats [N, W, F] and known [N] as for `propose`. Greedy (gumbel None): every draft is the
+        argmax, as in `propose` with temperature 0. Sampling: inv_temp [N] (1 / temperature) and
+        gumbel [N, kmax, V] standard Gumbel noise; draft j is argmax(logits_j * inv_temp + gumbel_j),
+        which is a draw from q_j = softmax(logits_j * inv_temp) (the Gumbel-max trick); a row with
+        zero noise and inv_temp 1 is greedy. Returns (tokens [N, kmax] int64, q [N, kmax, V] float32
+        or None when greedy, confidence [N, kmax] float32)."""
+        z = self.block_states(feats, known)[:, :kmax]  # [N, kmax, d]
+        base = self.base_logits(z)  # [N, kmax, V]
+        tokens, probs, prev = [], [], known
+        for j in range(kmax):  # the Markov correction is the only sequential part
+            logits = base[:, j] + self.markov_bias(prev)  # [N, V]
+            if gumbel is None:
+                tok = logits.argmax(-1)
+            else:
+                scaled = logits * inv_temp[:, None]
+                tok = (scaled + gumbel[:, j]).argmax(-1)
+                probs.append(torch.softmax(scaled, dim=-1))
+            tokens.append(tok)
+            prev = tok
+        q = torch.stack(probs, dim=1) if probs else None
+        return torch.stack(tokens, dim=1), q, self.confidence(z)
+
     # ---- helpers -----------------------------------------------------------------------------
 
     def _bound(self) -> _Target:

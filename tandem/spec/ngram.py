@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from tandem.spec.proposer import Draft
+
 
 def _check_n(min_n: int, max_n: int) -> None:
     if not 1 <= min_n <= max_n:
@@ -116,10 +118,13 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[str, NgramIndex] = {}
 
-    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[SpecRequest], ks: Sequence[int]) -> list[Draft]:
         if len(requests) != len(ks):
             raise ValueError(f"propose needs one k per request, got {len(ks)} for {len(requests)} requests")
-        return [self._index(req).propose(k) if k > 0 else [] for req, k in zip(requests, ks)]
+        return [Draft(self._index(req).propose(k) if k > 0 else []) for req, k in zip(requests, ks)]
+
+    def observe(self, batch: Sequence[object], kept: Sequence[int], aux: object) -> None:
+        """Nothing to do: the indexes catch up with the requests' token lists in `propose`."""
 
     def remove(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)

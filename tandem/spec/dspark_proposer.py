@@ -1,0 +1,184 @@
+"""DSpark proposer: drafts a whole block per request in one drafter forward from the target's
+hidden states (`tandem.spec.dspark.DSparkDrafter`).
+
+The target's runner is built with the drafter's `aux_layers` and returns, every step, those
+layers' outputs for each query token. `observe` keeps, per request, a window of the last W rows
+of the tokens the target kept (prefill chunks, the last token of a decode, the last token and the
+accepted drafts of a verify; rejected drafts' rows are dropped). A window is usable for a request
+when it ends at the request's last computed position and reaches back W positions (or to position
+0: the drafter was trained with the window clamped there). A request whose window is not usable
+(a prefix-cache hit left fewer than W positions computed; the engine asks the KV manager to
+leave W) drafts nothing that step.
+
+On CUDA, `capture` records the drafter's block forward per batch bucket, greedy and sampling
+(Gumbel noise drawn outside the graph from each request's generator), and `propose` replays it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core import Request
+from tandem.engine.runner import batch_buckets
+from tandem.engine.scheduler import ScheduledRequest
+from tandem.spec.dspark import DSparkDrafter
+from tandem.spec.proposer import Draft
+
+logger = logging.getLogger("tandem")
+
+
+@dataclass
+class _Window:
+    rows: torch.Tensor  # [n <= W, F]: the target's fused features at positions next_pos - n .. next_pos - 1
+    next_pos: int  # the first position whose features are not in the window
+
+    def usable_at(self, last_computed: int, w: int) -> bool:
+        n = self.rows.shape[0]
+        return self.next_pos == last_computed and (n >= w or self.next_pos - n == 0)
+
+
+@dataclass
+class _DraftGraph:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor  # [bucket, kmax]
+    probs: torch.Tensor | None  # [bucket, kmax, V] (sampling graphs)
+    confidence: torch.Tensor  # [bucket, kmax]
+
+
+class DSparkProposer:
+    def __init__(self, drafter: DSparkDrafter, kmax: int, device: torch.device,
+                 generator_for: Callable[[Request], torch.Generator],
+                 count_forward: Callable[[bool], None] = lambda graphed: None) -> None:
+        if not 1 <= kmax <= drafter.cfg.block_size:
+            raise ValueError(f"--speculative-config: num_speculative_tokens {kmax} is more than the DSpark drafter's "
+                             f"block_size {drafter.cfg.block_size} (it drafts at most that many tokens per forward)")
+        self.drafter = drafter
+        self.kmax = kmax
+        self.device = device
+        self.generator_for = generator_for
+        self.count_forward = count_forward
+        self.aux_layers = drafter.cfg.target_layers
+        self.window = drafter.cfg.window
+        self._windows: dict[str, _Window] = {}
+        self._graphs: dict[tuple[int, bool], _DraftGraph] = {}
+        self._buckets: tuple[int, ...] = ()
+
+    # -- the proposer interface ---------------------------------------------------------------
+    def observe(self, batch: Sequence[ScheduledRequest], kept: Sequence[int], aux: torch.Tensor | None) -> None:
+        if aux is None:
+            raise RuntimeError("the DSpark proposer needs the target runner's aux-layer outputs (aux_layers)")
+        at = 0
+        for s, n in zip(batch, kept):
+            rows = aux[at : at + n]
+            at += s.num_tokens
+            rid = s.request.request_id
+            win = self._windows.get(rid)
+            if win is None or win.next_pos != s.start:  # new, or recomputed from another position
+                win = self._windows[rid] = _Window(rows[-self.window :].clone(), s.start + n)
+            else:
+                win.rows = torch.cat([win.rows, rows])[-self.window :]
+                win.next_pos = s.start + n
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        if len(requests) != len(ks):
+            raise ValueError(f"propose needs one k per request, got {len(ks)} for {len(requests)} requests")
+        drafts = [Draft([]) for _ in requests]
+        idx = [i for i, (r, k) in enumerate(zip(requests, ks))
+               if k > 0 and (w := self._windows.get(r.request_id)) is not None
+               and w.usable_at(r.num_computed_tokens, self.window)]
+        if not idx:
+            return drafts
+        reqs = [requests[i] for i in idx]
+        feats = torch.stack([self._padded(self._windows[r.request_id].rows) for r in reqs])  # [N, W, F]
+        known = torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs],
+                             dtype=torch.long).to(self.device, non_blocking=True)
+        sampled = [not r.params.greedy for r in reqs]
+        tokens, probs, conf = self._draft(feats, known, reqs, sampled)
+        tokens_h, conf_h = tokens.tolist(), conf.tolist()  # the one host sync
+        for j, i in enumerate(idx):
+            k = ks[i]
+            q = probs[j, :k] if probs is not None and sampled[j] else None
+            drafts[i] = Draft(tokens_h[j][:k], q, conf_h[j][:k])
+        return drafts
+
+    def remove(self, request_id: str) -> None:
+        self._windows.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+    # -- drafting -----------------------------------------------------------------------------
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """A window of fewer than W rows starts at position 0: repeat that row at the front."""
+        missing = self.window - rows.shape[0]
+        return rows if missing == 0 else torch.cat([rows[:1].expand(missing, -1), rows])
+
+    def _noise(self, reqs: Sequence[Request], sampled: Sequence[bool], n_rows: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """inv_temp [n_rows] and Gumbel noise [n_rows, kmax, V]: each sampled request's drawn from
+        its own generator (seeded requests stay reproducible); greedy and padding rows get 1 and 0."""
+        v = self.drafter.cfg.vocab_size
+        inv_temp = torch.ones(n_rows, device=self.device)
+        gumbel = torch.zeros(n_rows, self.kmax, v, device=self.device)
+        temps = []
+        for j, req in enumerate(reqs):
+            if sampled[j]:
+                # -log(Exp(1)) is a standard Gumbel draw.
+                gumbel[j].exponential_(generator=self.generator_for(req)).log_().neg_()
+            temps.append(req.params.temperature if sampled[j] else 1.0)
+        inv_temp[: len(reqs)] = 1.0 / torch.tensor(temps, device=self.device)
+        return inv_temp, gumbel
+
+    def _draft(self, feats: torch.Tensor, known: torch.Tensor, reqs: Sequence[Request], sampled: Sequence[bool]
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        n, any_sampled = feats.shape[0], any(sampled)
+        bucket = next((b for b in self._buckets if b >= n), None)
+        graph = self._graphs.get((bucket, any_sampled)) if bucket is not None else None
+        self.count_forward(graph is not None)
+        if graph is None:
+            if not any_sampled:
+                return self.drafter.draft_block(feats, known, self.kmax)
+            inv_temp, gumbel = self._noise(reqs, sampled, n)
+            return self.drafter.draft_block(feats, known, self.kmax, inv_temp, gumbel)
+        self._feats[:n].copy_(feats)
+        self._known[:n].copy_(known)
+        if any_sampled:
+            inv_temp, gumbel = self._noise(reqs, sampled, n)
+            self._inv_temp[:n].copy_(inv_temp)
+            self._gumbel[:n].copy_(gumbel)
+        graph.graph.replay()
+        return graph.tokens[:n], graph.probs[:n] if graph.probs is not None else None, graph.confidence[:n]
+
+    def capture(self, max_num_seqs: int) -> None:
+        """Capture the drafter's block forward for every batch bucket, greedy and sampling."""
+        self._buckets = batch_buckets(max_num_seqs)
+        cfg, dev, top = self.drafter.cfg, self.device, self._buckets[-1]
+        dtype = self.drafter.fc.weight.dtype
+        self._feats = torch.zeros(top, cfg.window, cfg.feature_size, dtype=dtype, device=dev)
+        self._known = torch.zeros(top, dtype=torch.long, device=dev)
+        self._inv_temp = torch.ones(top, device=dev)
+        self._gumbel = torch.zeros(top, self.kmax, cfg.vocab_size, device=dev)
+        shapes = [(b, s) for s in (False, True) for b in reversed(self._buckets)]
+        logger.info("Capturing CUDA graphs (drafter): %d shapes, DSpark block of %d drafts, batch buckets %s, "
+                    "greedy and sampling", len(shapes), self.kmax, list(self._buckets))
+        pool, start = torch.cuda.graph_pool_handle(), time.perf_counter()
+        with torch.inference_mode():
+            for i, (b, sampling) in enumerate(shapes):
+                args = (self._feats[:b], self._known[:b], self.kmax) + (
+                    (self._inv_temp[:b], self._gumbel[:b]) if sampling else ())
+                for _ in range(2):  # warm up outside the graph
+                    self.drafter.draft_block(*args)
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    tokens, probs, conf = self.drafter.draft_block(*args)
+                self._graphs[(b, sampling)] = _DraftGraph(graph, tokens, probs, conf)
+                logger.info("Capturing CUDA graphs (drafter): %d/%d (batch %d, %s)", i + 1, len(shapes), b,
+                            "sampling" if sampling else "greedy")
+        torch.cuda.synchronize(dev)
+        logger.info("Captured %d DSpark drafter graphs in %.1f s", len(shapes), time.perf_counter() - start)
