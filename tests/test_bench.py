@@ -15,10 +15,11 @@ import pytest
 
 from tandem.bench import cli as bench_cli
 from tandem.bench.bracket import verdict
-from tandem.bench.client import BenchClient, parse_spec_counters, spec_delta
+from tandem.bench.client import BenchClient
 from tandem.bench.filler import filler_prompt, filler_words, fit_to_length
 from tandem.bench.needle import haystack_prompt, make_needle, plant, score
 from tandem.bench.ngram import simulate, simulate_many
+from tandem.bench.specmetrics import NO_METRICS, acceptance, add_deltas, parse_spec_metrics, spec_delta, spec_lines
 from tandem.bench.stats import percentile, summarize
 from tandem.bench.tools.pptg import Case, parse_tests
 from tandem.spec.ngram import propose_ngram as propose
@@ -147,23 +148,106 @@ def test_stats():
     assert (s["n"], s["median"], s["min"], s["max"]) == (3, 2.0, 1.0, 3.0)
 
 
-def test_spec_counters_from_prometheus_text():
-    page = """# HELP vllm:spec_decode_num_drafts_total drafts
-vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 8.0
-vllm:spec_decode_num_drafts_created{engine="0"} 1.7e9
+_TANDEM_BEFORE = """# HELP tandem:spec_decode_num_drafts_total Drafts verified.
+# TYPE tandem:spec_decode_num_drafts_total counter
+tandem:spec_decode_num_drafts_total{model_name="m",phase="reasoning"} 10.0
+tandem:spec_decode_num_drafts_created{model_name="m",phase="reasoning"} 1.7e9
+tandem:spec_decode_num_draft_tokens_total{model_name="m",phase="reasoning"} 30.0
+tandem:spec_decode_num_accepted_tokens_total{model_name="m",phase="reasoning"} 12.0
+tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",phase="reasoning",position="0"} 8.0
+tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",phase="reasoning",position="1"} 4.0
+tandem:spec_decode_k_total{k="3",model_name="m",phase="reasoning"} 10.0
 tandem:generation_tokens_total{model_name="m"} 99.0
 """
-    before = parse_spec_counters(page)
-    assert before == {"spec_decode_num_drafts": 10.0, "spec_decode_num_draft_tokens": 30.0, "spec_decode_num_accepted_tokens": 12.0}
-    after = {"spec_decode_num_drafts": 20.0, "spec_decode_num_draft_tokens": 60.0, "spec_decode_num_accepted_tokens": 36.0}
-    d = spec_delta(before, after)
-    assert d["acceptance_rate"] == pytest.approx(24 / 30)
-    assert d["mean_acceptance_length"] == pytest.approx(1 + 24 / 10)
-    assert spec_delta(None, after)["acceptance_rate"] is None
-    assert parse_spec_counters("tandem:prompt_tokens_total 5\n") == {}
+
+# one run later: reasoning drafted 10 more (30 tokens, 9 accepted: 6 at position 0, 3 at 1, none
+# at 2), content started (5 drafts, 15 tokens, 12 accepted: 5, 4, 3), a request-step chose K=0
+_TANDEM_AFTER = """tandem:spec_decode_num_drafts_total{model_name="m",phase="reasoning"} 20.0
+tandem:spec_decode_num_drafts_total{model_name="m",phase="content"} 5.0
+tandem:spec_decode_num_draft_tokens_total{model_name="m",phase="reasoning"} 60.0
+tandem:spec_decode_num_draft_tokens_total{model_name="m",phase="content"} 15.0
+tandem:spec_decode_num_accepted_tokens_total{model_name="m",phase="reasoning"} 21.0
+tandem:spec_decode_num_accepted_tokens_total{model_name="m",phase="content"} 12.0
+tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",phase="reasoning",position="0"} 14.0
+tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",phase="reasoning",position="1"} 7.0
+tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",phase="content",position="0"} 5.0
+tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",phase="content",position="1"} 4.0
+tandem:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",phase="content",position="2"} 3.0
+tandem:spec_decode_k_total{k="3",model_name="m",phase="reasoning"} 19.0
+tandem:spec_decode_k_total{k="0",model_name="m",phase="reasoning"} 1.0
+tandem:spec_decode_k_total{k="3",model_name="m",phase="content"} 5.0
+"""
+
+
+def test_spec_metrics_parse_sums_model_names_and_skips_created():
+    page = _TANDEM_BEFORE + 'tandem:spec_decode_num_drafts_total{model_name="other",phase="reasoning"} 2.0\n'
+    got = parse_spec_metrics(page)
+    assert got == {
+        ("drafts", "reasoning", None): 12.0,
+        ("draft_tokens", "reasoning", None): 30.0,
+        ("accepted_tokens", "reasoning", None): 12.0,
+        ("accepted_per_pos", "reasoning", 0): 8.0,
+        ("accepted_per_pos", "reasoning", 1): 4.0,
+        ("k", "reasoning", 3): 10.0,
+    }
+    assert parse_spec_metrics("tandem:prompt_tokens_total 5\nother:spec_decode_num_drafts_total 3\n") == {}
+
+
+def test_spec_acceptance_per_phase_from_two_scrapes():
+    acc = acceptance(spec_delta(parse_spec_metrics(_TANDEM_BEFORE), parse_spec_metrics(_TANDEM_AFTER)))
+    # all phases: 15 drafts, 45 tokens, 21 accepted; positions (6+5)/15, (3+4)/15, 3/15
+    assert (acc["drafts"], acc["draft_tokens"], acc["accepted_tokens"]) == (15.0, 45.0, 21.0)
+    assert acc["acceptance_rate"] == pytest.approx(21 / 45)
+    assert acc["mean_acceptance_length"] == pytest.approx(1 + 21 / 15)
+    assert acc["per_position"] == pytest.approx([11 / 15, 7 / 15, 3 / 15])
+    assert acc["k"] == pytest.approx({3: 14 / 15, 0: 1 / 15})
+    assert list(acc["phases"]) == ["content", "reasoning"]
+    r, c = acc["phases"]["reasoning"], acc["phases"]["content"]
+    assert (r["drafts"], r["draft_tokens"], r["accepted_tokens"]) == (10.0, 30.0, 9.0)
+    assert r["acceptance_rate"] == pytest.approx(0.3) and r["mean_acceptance_length"] == pytest.approx(1.9)
+    assert r["per_position"] == pytest.approx([0.6, 0.3])  # no position-2 sample: never accepted there
+    assert r["k"] == pytest.approx({3: 0.9, 0: 0.1})
+    assert c["acceptance_rate"] == pytest.approx(0.8) and c["mean_acceptance_length"] == pytest.approx(3.4)
+    assert c["per_position"] == pytest.approx([1.0, 0.8, 0.6]) and c["k"] == {3: 1.0}
+    lines = spec_lines([("1", acc)])
+    assert lines[0].startswith("speculative decoding")
+    rows = lines[1].splitlines()[2:]
+    assert [r.split()[:8] for r in rows] == [
+        ["1", "all", "15", "45", "21", "46.7%", "2.40", "0.733,"],
+        ["1", "content", "5", "15", "12", "80.0%", "3.40", "1.000,"],
+        ["1", "reasoning", "10", "30", "9", "30.0%", "1.90", "0.600,"],
+    ]
+    assert lines[2] == "K, run 1: content {3: 100%}, reasoning {3: 90%, 0: 10%}"
+
+
+def test_spec_acceptance_first_scrape_before_any_draft_and_vllm_names():
+    # Tandem creates a labelled counter on its first draft: before the first run there is none yet
+    acc = acceptance(spec_delta(parse_spec_metrics("tandem:generation_tokens_total 0\n"), parse_spec_metrics(_TANDEM_AFTER)))
+    assert acc["drafts"] == 25.0 and acc["accepted_tokens"] == 33.0
+    vllm = """vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0
+"""
+    acc = acceptance(spec_delta({}, parse_spec_metrics(vllm)))
+    assert acc["acceptance_rate"] == pytest.approx(0.4) and acc["mean_acceptance_length"] == pytest.approx(2.2)
+    assert acc["per_position"] == pytest.approx([0.8, 0.4]) and acc["phases"] == {} and acc["k"] == {}
+    assert [r.split()[1] for r in spec_lines([("1", acc)])[1].splitlines()[2:]] == ["all"]  # no phases: one row
+
+
+def test_spec_acceptance_without_metrics():
+    assert spec_delta({}, {}) is None  # /metrics without spec_decode counters: speculation off, or not Tandem
+    assert spec_delta(None, parse_spec_metrics(_TANDEM_AFTER)) is None  # no /metrics
+    assert acceptance(None) is None
+    assert add_deltas([None, None]) is None
+    assert spec_lines([("1", None), ("all", None)]) == [f"speculative decoding: {NO_METRICS}"]
+    d = spec_delta(parse_spec_metrics(_TANDEM_AFTER), parse_spec_metrics(_TANDEM_AFTER))  # a run without drafts
+    acc = acceptance(d)
+    assert acc["drafts"] == 0.0 and acc["acceptance_rate"] is None and acc["mean_acceptance_length"] is None
+    assert acc["per_position"] == [] and acc["phases"] == {}
+    two = add_deltas([d, spec_delta(parse_spec_metrics(_TANDEM_BEFORE), parse_spec_metrics(_TANDEM_AFTER)), None])
+    assert acceptance(two)["drafts"] == 15.0
 
 
 def test_pp_tg_test_names():
@@ -268,7 +352,31 @@ def test_decode(server, capsys, tmp_path):
     assert data["tool"] == "decode" and data["failed"] == 0 and len(data["samples"]) == 2
     for s in data["samples"]:
         assert s["completion_tokens"] == s["num_chunks"] == 16  # usage agrees with the stream
-        assert len(s["chunk_times"]) == 16 and s["spec"]["acceptance_rate"] is None
+        assert len(s["chunk_times"]) == 16 and s["spec"] is None  # no speculation configured
+    assert data["summary"]["spec"] is None and "no speculative decoding metrics" in text
+
+
+def test_decode_reports_speculative_acceptance(capsys, tmp_path):
+    proc, url = _start_server("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    try:
+        out = tmp_path / "decode-spec.json"
+        rc, text, _ = _bench(capsys, "decode", "--url", url, "--runs", "2", "--max-tokens", "64", "--endpoint", "completions",
+                             "--ignore-eos", "--json", str(out), "--quiet")
+    finally:
+        _stop(proc)
+    assert rc == 0, text
+    data = json.loads(out.read_text())
+    spec = data["summary"]["spec"]
+    runs = [s["spec"] for s in data["samples"]]
+    assert spec is not None and all(r is not None for r in runs), text
+    # the whole is the sum of the runs, and every phase's counts add up to it
+    for key in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert spec[key] == sum(r[key] for r in runs) == sum(p[key] for p in spec["phases"].values())
+    assert spec["drafts"] > 0, text  # random weights repeat themselves: n-gram lookup finds drafts
+    assert 0.0 <= spec["acceptance_rate"] <= 1.0 and 1.0 <= spec["mean_acceptance_length"] <= 4.0
+    assert len(spec["per_position"]) <= 3
+    assert sum(spec["k"].values()) == pytest.approx(1.0) and set(spec["k"]) <= {"0", "1", "2", "3"}  # K shares (JSON keys)
+    assert "speculative decoding (server /metrics" in text and "no speculative decoding metrics" not in text
 
 
 def test_decode_chat_runs(server, capsys):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -14,8 +13,9 @@ from typing import Any
 
 import httpx
 
+from tandem.bench.specmetrics import SpecCounts, parse_spec_metrics
+
 DEFAULT_URL = "http://127.0.0.1:8000"
-SPEC_COUNTERS = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_drafts")
 
 
 class BenchError(Exception):
@@ -192,17 +192,16 @@ class BenchClient:
 
     # ---- metrics -------------------------------------------------------------------------------
 
-    async def spec_counters(self) -> dict[str, float] | None:
-        """Speculative-decoding counters from /metrics (summed over labels; `tandem:` or `vllm:`
-        names, with or without the `_total` suffix); None when the server exposes none."""
+    async def spec_counters(self) -> SpecCounts | None:
+        """The speculative-decoding counters on /metrics (see `tandem.bench.specmetrics`; empty when
+        the page has none); None when there is no /metrics to read."""
         try:
             resp = await self.http.get(f"{self.url}/metrics")
         except httpx.HTTPError:
             return None
         if resp.status_code != 200:
             return None
-        found = parse_spec_counters(resp.text)
-        return found or None
+        return parse_spec_metrics(resp.text)
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -294,42 +293,6 @@ class BenchClient:
             s.chunk_times.append(now)
             break  # one timestamp per event; benchmarks send n=1
         return False
-
-
-_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
-
-
-def parse_spec_counters(text: str) -> dict[str, float]:
-    """Sum the spec-decoding counters in a Prometheus text page: {short name: value}."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_LINE.match(line)
-        if not m:
-            continue
-        name = m.group(1)
-        prefix, _, rest = name.partition(":")
-        if prefix not in ("tandem", "vllm") or not rest:
-            continue
-        base = rest[: -len("_total")] if rest.endswith("_total") else rest
-        if base in SPEC_COUNTERS:
-            out[base] = out.get(base, 0.0) + float(m.group(3))
-    return out
-
-
-def spec_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
-    """Acceptance rate (accepted / drafted tokens) and mean acceptance length (1 + accepted per
-    draft) from two counter snapshots; None values where the server has no counters."""
-    if not before or not after:
-        return {"draft_tokens": None, "accepted_tokens": None, "drafts": None, "acceptance_rate": None, "mean_acceptance_length": None}
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
-    drafted, accepted, drafts = d["spec_decode_num_draft_tokens"], d["spec_decode_num_accepted_tokens"], d["spec_decode_num_drafts"]
-    return {
-        "draft_tokens": drafted,
-        "accepted_tokens": accepted,
-        "drafts": drafts,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
-    }
 
 
 def api_key_from_env() -> str | None:
