@@ -5,7 +5,15 @@ Measured in one run, on one GPU: the HBM bandwidth (device-to-device copy), the 
 architecture, and Tandem's decode at several batch sizes and prefill at several lengths.
 
     python benchmarks/bench_gpu.py --out results.json          # the full 48-layer shape (~61 GB)
-    python benchmarks/bench_gpu.py --layers 4 --quick           # a smoke run
+    python benchmarks/bench_gpu.py --verify-only --device cpu --shape tiny --kv-gib 0.05 --verify-layers 1,2  # a smoke run
+
+`--verify-cost` adds the cost of a speculative verify step: one target forward of B requests with
+q = 1 + K query tokens each (q = 1 is a plain decode), replaying the runner's CUDA graphs;
+`--verify-only` measures just that, and `--verify-layers 4,12,24` fits step time = fixed + per-layer
+cost over engines of those depths (built one after another) to extrapolate to the shape's full depth:
+
+    python benchmarks/bench_gpu.py --verify-only --verify-layers 4,12,24 --kv-gib 2 --out verify.json
+    python benchmarks/bench_gpu.py --verify-only --device cpu --shape tiny --kv-gib 0.05  # CPU smoke (eager)
 
 Random weights make the router spread tokens over experts roughly uniformly; real checkpoints
 route less evenly, which changes how many distinct experts a batch reads.
@@ -18,9 +26,12 @@ import gc
 import json
 import logging
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,9 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tandem.builtin import TOKENIZER_ASSET  # noqa: E402
-from tandem.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
-from tandem.core import SamplingParams  # noqa: E402
+from tandem.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpecConfig  # noqa: E402
+from tandem.core import Request, SamplingParams  # noqa: E402
 from tandem.engine.engine import LLMEngine  # noqa: E402
+from tandem.engine.runner import ModelRunner  # noqa: E402
+from tandem.engine.scheduler import ScheduledRequest  # noqa: E402
 from tandem.models.registry import get_model_class  # noqa: E402
 
 GB = 1e9
@@ -43,6 +56,13 @@ QWEN3_30B_A3B = {
     "norm_topk_prob": True, "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
     "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
+# The same architecture at test size (the tests' tiny qwen3_moe), for CPU smoke runs of the code paths.
+TINY_QWEN3_MOE = dict(
+    QWEN3_30B_A3B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, vocab_size=2048,
+    max_position_embeddings=4096,
+)
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY_QWEN3_MOE}
 
 
 def hbm_bandwidth(nbytes: int = 4 << 30, iters: int = 20) -> float:
@@ -115,19 +135,23 @@ def bench_transformers(cfg: dict, prompt_len: int, new_tokens: int) -> dict:
 
 
 def build_engine(cfg: dict, model_dir: Path, max_num_seqs: int, max_batched: int, kv_gib: float,
-                 enforce_eager: bool, fused_ops: bool = True) -> LLMEngine:
+                 enforce_eager: bool, fused_ops: bool = True, device: str = "cuda", max_k: int = 0) -> LLMEngine:
+    """An engine on random weights: bf16 on CUDA, fp32 on CPU (as the engine's "auto" dtype picks).
+    `max_k` > 0 also captures CUDA graphs for query lengths 2 .. max_k + 1 (verify steps)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device("meta"):
-        model = get_model_class(cfg["model_type"])(cfg, torch.bfloat16)
-    model = model.to_empty(device="cuda")
+        model = get_model_class(cfg["model_type"])(cfg, dtype)
+    model = model.to_empty(device=device)
     for module in model.modules():
         if callable(getattr(module, "reset_buffers", None)):
             module.reset_buffers()
     init_random_(model)
     model.eval()
     config = EngineConfig(
-        model=ModelConfig(str(model_dir), torch.bfloat16, "cuda", max_model_len=max_batched + 1024),
+        model=ModelConfig(str(model_dir), dtype, device, max_model_len=max_batched + 1024),
         cache=CacheConfig(kv_cache_memory=int(kv_gib * (1 << 30)), enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched),
+        spec=SpecConfig(max_k=max_k),
         runner=RunnerConfig(enforce_eager=enforce_eager, fused_ops=fused_ops),
     )
     return LLMEngine(config, model=model)
@@ -179,7 +203,7 @@ def bracket_fused(engine: LLMEngine, batches: list[int], prompt: int, new_tokens
     for phase, enabled in enumerate((True, False, True)):
         set_fused_ops(enabled)
         engine.runner.graphs.clear()
-        engine.runner.capture(engine.config.scheduler.max_num_seqs, (1,), engine.max_model_len)
+        engine.runner.capture(engine.config.scheduler.max_num_seqs, {"decode": (1,)}, engine.max_model_len)
         for b in batches:
             run_decode(engine, b, prompt, 8, seed=500 + phase)  # warm-up
             r = run_decode(engine, b, prompt, new_tokens, seed=600 + phase)
@@ -189,33 +213,230 @@ def bracket_fused(engine: LLMEngine, batches: list[int], prompt: int, new_tokens
     return rows
 
 
+# -- verify-step cost -------------------------------------------------------------------------------
+VERIFY_WARMUP = 5  # untimed steps per (batch, q) before timing; graphs were already run at capture
+
+
+def execute_step(runner: ModelRunner, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, bool]:
+    """One forward step: (logits [R, V] float32, whether a CUDA graph ran)."""
+    out = runner.execute(batch)
+    return out.logits, out.graphed
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def model_dir(cfg: dict) -> Iterator[Path]:
+    """A temporary checkpoint directory holding only config.json and the tokenizer (weights are random)."""
+    path = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+    try:
+        (path / "config.json").write_text(json.dumps(cfg))
+        shutil.copy(TOKENIZER_ASSET, path / "tokenizer.json")
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def prefill_requests(engine: LLMEngine, n: int, context: int, max_q: int, seed: int) -> list[Request]:
+    """`n` requests with random `context`-token prompts, each prefilled by one eager runner step and
+    given its first (greedy) token, with KV slots for `max_q` more: the next step of each is a decode,
+    or a verify of up to max_q - 1 draft tokens, at position `context`. The benchmark drives the
+    runner alone, so the requests never enter the scheduler; give their blocks back with kv.free."""
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=max_q, temperature=0.0, ignore_eos=True)
+    reqs = []
+    for i in range(n):
+        prompt = torch.randint(0, engine.vocab_size, (context,), generator=g).tolist()
+        req = engine.new_request(f"verify{seed}-{i}", prompt, params)
+        if not engine.kv.allocate_slots(req, context + max_q):
+            raise MemoryError(f"the KV cache has no room for {n} requests of {context + max_q} tokens; "
+                              f"raise --kv-gib or lower --verify-batches / --prompt")
+        logits, _ = execute_step(engine.runner, [ScheduledRequest.of(req, context)])  # [1, V]
+        req.num_computed_tokens = context  # what the scheduler records after a step
+        req.output_token_ids.append(int(logits[-1].argmax()))
+        reqs.append(req)
+    return reqs
+
+
+def verify_batch(reqs: list[Request], drafts: int, g: torch.Generator, vocab: int) -> list[ScheduledRequest]:
+    """Each request's next step carrying `drafts` random draft tokens: a query of 1 + drafts tokens
+    (its last sampled token, then the draft) that needs 1 + drafts logits rows. Slots must be allocated."""
+    return [ScheduledRequest.of(r, 1, draft=tuple(torch.randint(0, vocab, (drafts,), generator=g).tolist()))
+            for r in reqs]
+
+
+def time_steps(runner: ModelRunner, batch: list[ScheduledRequest], iters: int) -> tuple[list[float], bool]:
+    """Seconds of each of `iters` runner steps on `batch`, after VERIFY_WARMUP untimed ones. A device
+    sync brackets each step, so it counts what the engine's step pays for the forward: packing the
+    inputs on the host, copying them into the graph's static buffers, the replay (or eager forward) and
+    gathering the logits rows; not sampling or verifying. Also returns whether every step replayed a graph."""
+    all_graphed = True
+    for _ in range(VERIFY_WARMUP):
+        all_graphed &= execute_step(runner, batch)[1]
+    times = []
+    for _ in range(iters):
+        sync(runner.device)
+        t = time.perf_counter()
+        graphed = execute_step(runner, batch)[1]
+        sync(runner.device)
+        times.append(time.perf_counter() - t)
+        all_graphed &= graphed
+    return times, all_graphed
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Fill each row's `ratio_to_q1` (step time over the plain decode's, same depth and batch) and
+    `delta_ms` (what its last draft token added over q - 1). Rows come in q order per (layers, batch)."""
+    decode: dict[tuple[int, int], float] = {}
+    prev: dict[tuple[int, int], float] = {}
+    for r in rows:
+        key = (r["layers"], r["batch"])
+        decode.setdefault(key, r["median_ms"])
+        r["ratio_to_q1"] = r["median_ms"] / decode[key]
+        r["delta_ms"] = r["median_ms"] - prev[key] if key in prev else None
+        prev[key] = r["median_ms"]
+    return rows
+
+
+def marginal_costs(rows: list[dict]) -> list[dict]:
+    """Per (layers, batch): the ms one draft token adds to a step, (t(q_max) - t(1)) / (q_max - 1), and
+    that as a fraction of the plain decode step t(1)."""
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["layers"], r["batch"]), []).append(r)
+    out = []
+    for (layers, batch), rs in groups.items():
+        first, last = min(rs, key=lambda r: r["q"]), max(rs, key=lambda r: r["q"])
+        if last["q"] == first["q"]:
+            continue
+        ms = (last["median_ms"] - first["median_ms"]) / (last["q"] - first["q"])
+        out.append({"layers": layers, "batch": batch, "ms_per_draft_token": ms,
+                    "fraction_of_decode_step": ms / first["median_ms"]})
+    return out
+
+
+def bench_verify_cost(engine: LLMEngine, batches: list[int], max_q: int, context: int, iters: int,
+                      require_graphs: bool, seed: int = 0) -> list[dict]:
+    """Time one target forward step of B requests each carrying q query tokens — q = 1 a plain decode,
+    q = 1 + K the verify of K draft tokens — for every B in `batches` and q in 1..max_q, at a context of
+    `context` tokens (the requests of `prefill_requests`). With `require_graphs` (CUDA) a step that
+    does not replay the runner's (bucket, q) graph raises RuntimeError: an eager fallback would time
+    something else. One row per (B, q): median and min ms over `iters` steps, the graph bucket (None
+    without graphs), whether the graph ran, the ratio to q = 1 and the ms the last draft token added."""
+    runner = engine.runner
+    layers = int(engine.model.hf_config["num_hidden_layers"])
+    reqs = prefill_requests(engine, max(batches), context, max_q, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    rows = []
+    for b in batches:
+        bucket = next((x for x in runner.buckets if x >= b), None)  # None: no graphs (CPU)
+        for q in range(1, max_q + 1):
+            times, graphed = time_steps(runner, verify_batch(reqs[:b], q - 1, g, engine.vocab_size), iters)
+            if require_graphs and not graphed:
+                raise RuntimeError(
+                    f"batch {b}, q {q}: a step ran eagerly instead of replaying a CUDA graph (the engine captured "
+                    f"batch buckets {list(runner.buckets)} x query lengths {sorted({k[1] for k in runner.graphs})}); "
+                    f"an eager step is not the verify cost this measures: check that the runner still replays "
+                    f"uniform decode/verify batches (ModelRunner._graph_key)")
+            rows.append({"layers": layers, "batch": b, "bucket": bucket, "q": q, "draft_tokens": q - 1,
+                         "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "graphed": graphed})
+    for r in reqs:
+        engine.kv.free(r)
+    return add_ratios(rows)
+
+
+def extrapolate_layers(rows: list[dict], full_layers: int) -> list[dict]:
+    """Fit median_ms = fixed + layers * per_layer for each (B, q) over the measured depths (least
+    squares) and evaluate it at `full_layers`. Linear in depth because every decoder layer does the
+    same work on random weights, while the embedding, lm_head and host-side packing do not depend on it;
+    `max_residual_ms` (three depths or more) says how well the measurements follow that line."""
+    points: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:
+        points.setdefault((r["batch"], r["q"]), []).append(r)
+    out = []
+    for (batch, q), rs in points.items():
+        fit = statistics.linear_regression([r["layers"] for r in rs], [r["median_ms"] for r in rs])
+        residual = max(abs(r["median_ms"] - fit.intercept - fit.slope * r["layers"]) for r in rs)
+        out.append({"layers": full_layers, "batch": batch, "q": q, "draft_tokens": q - 1,
+                    "median_ms": fit.intercept + fit.slope * full_layers, "per_layer_ms": fit.slope,
+                    "fixed_ms": fit.intercept, "max_residual_ms": residual})
+    return add_ratios(out)
+
+
+def print_verify_table(title: str, rows: list[dict]) -> None:
+    """One line per (layers, batch): each q's median ms with its ratio to q = 1, the ms one draft token
+    adds (and its share of the decode step), and whether the steps replayed CUDA graphs ("fit": rows
+    extrapolated, not run)."""
+    groups: dict[tuple[int, int], dict[int, dict]] = {}
+    for r in rows:
+        groups.setdefault((r["layers"], r["batch"]), {})[r["q"]] = r
+    marginal = {(m["layers"], m["batch"]): m for m in marginal_costs(rows)}
+    qs = sorted({r["q"] for r in rows})
+    print(title)
+    print(f"{'layers':>6} {'batch':>5} " + " ".join(f"{f'q={q} ms (x q=1)':>16}" for q in qs)
+          + f" {'+ms per draft':>16} {'graph':>5}")
+    for (layers, batch), by_q in groups.items():
+        cells = " ".join(f"{by_q[q]['median_ms']:>9.3f} ({by_q[q]['ratio_to_q1']:.2f})" for q in qs)
+        m = marginal.get((layers, batch))
+        extra = f"{m['ms_per_draft_token']:.3f} ({100 * m['fraction_of_decode_step']:.1f}%)" if m else "-"
+        graphed = [r.get("graphed") for r in by_q.values()]
+        graph = "fit" if None in graphed else "yes" if all(graphed) else "no"
+        print(f"{layers:>6} {batch:>5} {cells} {extra:>16} {graph:>5}")
+    print(flush=True)
+
+
+def verify_cost(args: argparse.Namespace, shape: dict) -> dict:
+    """The --verify-cost section: an engine (graphs for q = 1..--verify-max-q) per depth in
+    --verify-layers, built, measured and freed in turn; with two depths or more, the fit to the
+    shape's full depth as well."""
+    batches = [int(x) for x in args.verify_batches.split(",")]
+    depths = ([int(x) for x in args.verify_layers.split(",")] if args.verify_layers
+              else [args.layers or shape["num_hidden_layers"]])
+    rows: list[dict] = []
+    for layers in depths:
+        cfg = dict(shape, num_hidden_layers=layers)
+        with model_dir(cfg) as path:
+            t = time.perf_counter()
+            engine = build_engine(cfg, path, max(batches), max(2048, args.prompt), args.kv_gib, enforce_eager=False,
+                                  fused_ops=args.fused_ops, device=args.device, max_k=args.verify_max_q - 1)
+            print(f"verify cost: engine of {layers} layers built in {time.perf_counter() - t:.1f} s "
+                  f"({len(engine.runner.graphs)} CUDA graphs)", flush=True)
+            rows += bench_verify_cost(engine, batches, args.verify_max_q, args.prompt, args.verify_iters,
+                                      require_graphs=args.device == "cuda")
+            del engine
+            free_device_memory()
+    eager = "" if args.device == "cuda" else "; CPU: no CUDA graphs, every step ran eagerly (a smoke check only)"
+    print_verify_table(f"verify-step cost: median of {args.verify_iters} steps, context {args.prompt}{eager}", rows)
+    result = {"shape": args.shape, "context": args.prompt, "iters": args.verify_iters, "warmup": VERIFY_WARMUP,
+              "rows": rows, "marginal": marginal_costs(rows)}
+    if len(set(depths)) >= 2:
+        full = shape["num_hidden_layers"]
+        fit = extrapolate_layers(rows, full)
+        result["extrapolated"] = {"layers": full, "measured_layers": sorted(set(depths)), "rows": fit,
+                                  "marginal": marginal_costs(fit)}
+        worst = max(r["max_residual_ms"] for r in fit)
+        print_verify_table(f"verify-step cost extrapolated to {full} layers (a linear fit over {sorted(set(depths))} "
+                           f"layers; worst residual {worst:.3f} ms)", fit)
+    return result
+
+
 def save(results: dict, out: str | None) -> None:
     if out:
         Path(out).write_text(json.dumps(results, indent=2))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--prefill", default="2048,16384")
-    ap.add_argument("--hf-new-tokens", type=int, default=64)
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
-                    help="the fused small kernels (default on, as in the engine); --no-fused-ops measures without")
-    ap.add_argument("--kv-gib", type=float, default=16.0)
-    ap.add_argument("--compare-fused", action="store_true",
-                    help="also bracket the fused small kernels: on -> off -> on, graphs recaptured each time")
-    ap.add_argument("--bracket-new-tokens", type=int, default=128)
-    ap.add_argument("--out", default=None, help="write all results as JSON here")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
-    results: dict = {"config": cfg, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-
+def bench_throughput(args: argparse.Namespace, cfg: dict, results: dict) -> None:
+    """HBM bandwidth, roofline, `transformers`, Tandem decode and prefill (and the fused bracket),
+    into `results`; the engine is freed on return."""
     bw = hbm_bandwidth()
     need = decode_bytes_per_token(cfg, args.prompt + args.new_tokens // 2)
     results["hbm_bytes_per_s"] = bw
@@ -229,35 +450,82 @@ def main() -> None:
         results["transformers"] = bench_transformers(cfg, args.prompt, args.hf_new_tokens)
         print(f"transformers generate, batch 1: {results['transformers']['decode_tok_s']:.1f} tok/s", flush=True)
 
-    model_dir = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
-    (model_dir / "config.json").write_text(json.dumps(cfg))
-    shutil.copy(TOKENIZER_ASSET, model_dir / "tokenizer.json")
     max_batched = max(int(x) for x in args.prefill.split(","))
     batches = [int(x) for x in args.batches.split(",")]
-    engine = build_engine(cfg, model_dir, max(batches), max_batched, args.kv_gib, args.enforce_eager, args.fused_ops)
-    results["decode"] = []
-    for i, b in enumerate(batches):
-        run_decode(engine, b, args.prompt, 8, seed=100 + i)  # warm-up
-        r = run_decode(engine, b, args.prompt, args.new_tokens, seed=i)
-        r["pct_of_roofline"] = 100 * r["per_request_tok_s"] / results["roofline_tok_s"] if b == 1 else None
-        results["decode"].append(r)
-        print(f"tandem decode batch {b}: {r['decode_tok_s']:.1f} tok/s aggregate "
-              f"({r['per_request_tok_s']:.1f} per request; {r['graph_steps']}/{r['steps']} steps in CUDA graphs)", flush=True)
-    results["prefill"] = []
-    for i, n in enumerate(int(x) for x in args.prefill.split(",")):
-        r = run_prefill(engine, n, seed=1000 + i)
-        results["prefill"].append(r)
-        print(f"tandem prefill {n}: {r['prefill_tok_s']:.0f} tok/s", flush=True)
-    save(results, args.out)
-    if args.compare_fused:
-        results["fused_bracket"] = bracket_fused(engine, [b for b in batches if b in (1, max(batches))],
-                                                 args.prompt, args.bracket_new_tokens)
+    with model_dir(cfg) as path:
+        engine = build_engine(cfg, path, max(batches), max_batched, args.kv_gib, args.enforce_eager, args.fused_ops)
+        results["decode"] = []
+        for i, b in enumerate(batches):
+            run_decode(engine, b, args.prompt, 8, seed=100 + i)  # warm-up
+            r = run_decode(engine, b, args.prompt, args.new_tokens, seed=i)
+            r["pct_of_roofline"] = 100 * r["per_request_tok_s"] / results["roofline_tok_s"] if b == 1 else None
+            results["decode"].append(r)
+            print(f"tandem decode batch {b}: {r['decode_tok_s']:.1f} tok/s aggregate ({r['per_request_tok_s']:.1f} "
+                  f"per request; {r['graph_steps']}/{r['steps']} steps in CUDA graphs)", flush=True)
+        results["prefill"] = []
+        for i, n in enumerate(int(x) for x in args.prefill.split(",")):
+            r = run_prefill(engine, n, seed=1000 + i)
+            results["prefill"].append(r)
+            print(f"tandem prefill {n}: {r['prefill_tok_s']:.0f} tok/s", flush=True)
+        save(results, args.out)
+        if args.compare_fused:
+            results["fused_bracket"] = bracket_fused(engine, [b for b in batches if b in (1, max(batches))],
+                                                     args.prompt, args.bracket_new_tokens)
     b1 = results["decode"][0]
     if b1["batch"] == 1:
         print(f"batch-1 decode = {b1['pct_of_roofline']:.1f}% of roofline", flush=True)
-    save(results, args.out)
-    shutil.rmtree(model_dir, ignore_errors=True)
+    del engine
+    free_device_memory()
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                    help="model shape; 'tiny' is the tests' tiny qwen3_moe, for CPU smoke runs")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu runs only --verify-only, eagerly: a smoke check of the code path")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt length (the context of the verify steps too)")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prefill", default="2048,16384")
+    ap.add_argument("--hf-new-tokens", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
+                    help="the fused small kernels (default on, as in the engine); --no-fused-ops measures without")
+    ap.add_argument("--kv-gib", type=float, default=16.0)
+    ap.add_argument("--compare-fused", action="store_true",
+                    help="also bracket the fused small kernels: on -> off -> on, graphs recaptured each time")
+    ap.add_argument("--bracket-new-tokens", type=int, default=128)
+    ap.add_argument("--verify-cost", action="store_true",
+                    help="also time one forward step of B requests with q = 1..--verify-max-q query tokens each "
+                         "(a decode, then verifies of 1.. draft tokens), replaying CUDA graphs")
+    ap.add_argument("--verify-only", action="store_true", help="--verify-cost and nothing else")
+    ap.add_argument("--verify-batches", default="1,4,8,16")
+    ap.add_argument("--verify-max-q", type=int, default=5, help="longest query: 1 + the most draft tokens")
+    ap.add_argument("--verify-iters", type=int, default=50, help="timed steps per (batch, q); the median is reported")
+    ap.add_argument("--verify-layers", default=None,
+                    help="depths to measure, e.g. 4,12,24 (default: --layers); two or more also extrapolate "
+                         "linearly to the shape's full depth")
+    ap.add_argument("--out", default=None, help="write all results as JSON here")
+    args = ap.parse_args()
+    if args.device == "cpu" and not args.verify_only:
+        ap.error("--device cpu runs only the verify-cost smoke check (the rest needs CUDA); add --verify-only")
+    if (args.verify_cost or args.verify_only) and args.enforce_eager and args.device == "cuda":
+        ap.error("the verify cost is measured on CUDA graph replays; drop --enforce-eager")
+    if args.verify_max_q < 1:
+        ap.error("--verify-max-q must be at least 1 (a plain decode step)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    shape = SHAPES[args.shape]
+    cfg = dict(shape, num_hidden_layers=args.layers or shape["num_hidden_layers"])
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    results: dict = {"config": cfg, "device": device_name, "torch": torch.__version__}
+    if not args.verify_only:
+        bench_throughput(args, cfg, results)
+    if args.verify_cost or args.verify_only:
+        results["verify_cost"] = verify_cost(args, shape)
+    save(results, args.out)
 
 if __name__ == "__main__":
     main()
