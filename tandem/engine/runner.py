@@ -56,9 +56,16 @@ def allocate_kv_caches(
 
 
 def _has_prefill(batch: list[ScheduledRequest]) -> bool:
-    """Whether a step holds a prefill chunk (a request that samples nothing, or more query tokens
-    than logits rows): such steps run eagerly."""
-    return not all(s.samples and s.num_tokens == s.num_logits for s in batch)
+    """Whether a step holds prefill work (a request with more query tokens than logits rows)."""
+    return any(s.num_tokens > s.num_logits for s in batch)
+
+
+def _graphable(batch: list[ScheduledRequest]) -> bool:
+    """A step a graph can run: every request reaches its last known token (its logits are the
+    last num_logits of its query rows). A short query with fewer logits rows than tokens (a
+    drafter catching up two tokens, a prompt's last 2-token chunk) replays the graph of its length;
+    a chunk that samples nothing runs eagerly."""
+    return all(s.samples for s in batch)
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -188,8 +195,8 @@ class ModelRunner:
         return self.model(input_ids, positions, step), None
 
     def _graph_key(self, batch: list[ScheduledRequest]) -> tuple[int, int] | None:
-        """The graph of a decode or verify step (prefill chunks run eagerly), padded to one q."""
-        if not self.graphs or _has_prefill(batch):
+        """The graph of a step whose requests all sample (see _graphable), padded to one q."""
+        if not self.graphs or not _graphable(batch):
             return None
         q = max(s.num_tokens for s in batch)
         bucket = next((b for b in self.buckets if b >= len(batch)), None)
