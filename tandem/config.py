@@ -184,6 +184,14 @@ class SpecConfig:
             return dict(self.phase_k).get(phase, self.num_speculative_tokens)
         return self.num_speculative_tokens
 
+    def draft_depths(self) -> tuple[int, ...]:
+        """The draft depths (> 0) the policy can choose: Kmax, and with `phase` each phase's K. A
+        block drafter captures a graph per depth; a request whose K is cut shorter (max_tokens)
+        uses the next depth up and keeps the prefix."""
+        from tandem.spec.phase import PHASES
+
+        return tuple(sorted({self.k_for(p) for p in PHASES} - {0} | {self.num_speculative_tokens}))
+
     @classmethod
     def parse(cls, value: str | dict[str, Any] | None, max_k: int = 0) -> SpecConfig:
         """`--speculative-config` JSON (or its dict) -> a checked config. Raises ValueError with one

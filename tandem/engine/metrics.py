@@ -32,7 +32,7 @@ class EngineMetrics:
                                    "prefill chunk, eager by design); eager (a decode or verify step without a graph)."),
                                    labels + ["mode"], registry=r)
         self.drafter_steps = Counter("tandem:spec_decode_drafter_steps",
-                                     "Drafter forward passes, by how they ran (cuda_graph or eager).",
+                                     "Drafter forward passes, by how they ran (cuda_graph, eager, prefill).",
                                      labels + ["mode"], registry=r)
         self.success = Counter("tandem:request_success", "Finished requests.", labels + ["finished_reason"], registry=r)
         # Speculative decoding, vLLM's names; each also labelled with the request's phase.

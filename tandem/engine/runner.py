@@ -85,7 +85,9 @@ class _Graph:
 class ForwardOutput:
     """One forward pass's results."""
 
-    logits: torch.Tensor  # [R, V] float32: each request's `num_logits` rows, in batch order
+    # [R, V] float32: each request's `num_logits` rows, in batch order. After a graph replay this may
+    # be a view of the graph's output: valid until the runner's next forward.
+    logits: torch.Tensor
     # How it ran: "cuda_graph"; "prefill" (a step with a prefill chunk: eager by design); "eager"
     # (a decode or verify step that ran eagerly: graphs are off, or none fits its shape).
     mode: str
@@ -301,11 +303,16 @@ class ModelRunner:
             self._slots[g][: bucket * q].copy_(torch.tensor(slot_rows[g] + [sink_slot] * pad_tokens), non_blocking=True)
         entry = self.graphs[key]
         entry.graph.replay()
+        if all(s.num_tokens == q == s.num_logits for s in batch):
+            # Every row of the first n requests is real and wanted: views of the graph's outputs,
+            # valid until the next replay (the engine reads them within the step).
+            aux = None if entry.aux is None else entry.aux[: n * q]
+            return ForwardOutput(entry.logits[: n * q], "cuda_graph", aux)
         # Request i needs the last num_logits of its real rows i*q .. i*q+num_tokens-1.
         rows = [i * q + s.num_tokens - s.num_logits + j for i, s in enumerate(batch) for j in range(s.num_logits)]
         logits = entry.logits[torch.tensor(rows, device=self.device)]
         aux = None
-        if entry.aux is not None:  # every real row (indexing copies: the next replay overwrites the graph's)
+        if entry.aux is not None:  # every real row
             real = [i * q + j for i, s in enumerate(batch) for j in range(s.num_tokens)]
             aux = entry.aux[torch.tensor(real, device=self.device)]
         return ForwardOutput(logits, "cuda_graph", aux)

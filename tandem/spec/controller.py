@@ -88,7 +88,7 @@ class SpecDecoder:
         self._tracked: dict[str, _Tracked] = {}
         self._last_k_log = -K_LOG_INTERVAL_S  # monotonic time of the last INFO line on a K change
         self._unlogged_k_changes = 0
-        self.drafter_forwards = {"cuda_graph": 0, "eager": 0}  # since the last take_drafter_forwards
+        self.drafter_forwards: dict[str, int] = {}  # by mode, since the last take_drafter_forwards
         self.chosen_k: list[tuple[Phase, int]] = []  # (phase, K) of each request the last propose saw
 
     @classmethod
@@ -99,9 +99,9 @@ class SpecDecoder:
         drafter that is missing or does not fit the target."""
         spec: SpecDecoder | None = None
 
-        def count(graphed: bool) -> None:
+        def count(mode: str) -> None:
             assert spec is not None
-            spec.drafter_forwards["cuda_graph" if graphed else "eager"] += 1
+            spec.drafter_forwards[mode] = spec.drafter_forwards.get(mode, 0) + 1
 
         proposer: Proposer
         path: Path | None = None
@@ -134,15 +134,16 @@ class SpecDecoder:
             except ValueError as e:
                 raise ValueError(f"--speculative-config: model: {e}") from None
             drafter.bind_target(dict(target.named_parameters()), float(hf.get("rms_norm_eps", 1e-6)))
-            proposer = DSparkProposer(drafter, config.num_speculative_tokens, device, generator_for, count)
+            proposer = DSparkProposer(drafter, config.num_speculative_tokens, device, generator_for, count,
+                                      depths=config.draft_depths())
         else:
             raise ValueError(f"speculative method {config.method!r} is not wired into the engine")
         spec = cls(config, tokenizer, max_model_len, proposer, path)
         return spec
 
     def take_drafter_forwards(self) -> dict[str, int]:
-        """Drafter forwards by mode (cuda_graph / eager) since the last call."""
-        counts, self.drafter_forwards = self.drafter_forwards, {"cuda_graph": 0, "eager": 0}
+        """Drafter forwards by mode (cuda_graph / eager / prefill) since the last call."""
+        counts, self.drafter_forwards = self.drafter_forwards, {}
         return counts
 
     # -- what the engine plans around the proposer ----------------------------------------------

@@ -46,12 +46,12 @@ class DraftModelProposer:
     """Drafts from a draft model; see the module docstring.
 
     generator_for(request) gives the generator a sampled request draws its drafts from (the
-    engine's sampler: the request's seeded one, or the shared one). count_forward(graphed) is
-    called once per drafter forward (metrics)."""
+    engine's sampler: the request's seeded one, or the shared one). count_forward(mode) is called
+    once per drafter forward with the runner's mode (cuda_graph / eager / prefill; metrics)."""
 
     def __init__(self, model: CausalLM, device: torch.device, max_batched_tokens: int,
                  generator_for: Callable[[Request], torch.Generator],
-                 count_forward: Callable[[bool], None] = lambda graphed: None) -> None:
+                 count_forward: Callable[[str], None] = lambda mode: None) -> None:
         self.model = model
         self.device = device
         self.max_batched_tokens = max_batched_tokens
@@ -204,14 +204,14 @@ class DraftModelProposer:
             if not batch:
                 break
             out = self.runner.execute(batch)
-            self.count_forward(out.graphed)
+            self.count_forward(out.mode)
             r = 0
             for s, i in zip(batch, owners):
                 seq = s.request
                 seq.num_computed_tokens += s.num_tokens
                 self.kv.commit(seq)
                 if s.samples:
-                    rows[i] = out.logits[r]
+                    rows[i] = out.logits[r].clone()  # a graph output view is overwritten by the next forward
                     r += 1
                 if seq.num_computed_tokens >= ends[i]:
                     pending.remove(i)

@@ -34,12 +34,14 @@ logger = logging.getLogger("tandem")
 
 @dataclass
 class _Window:
-    rows: torch.Tensor  # [n <= W, F]: the target's fused features at positions next_pos - n .. next_pos - 1
+    # [W, F] when full: the target's fused features at positions next_pos - W .. next_pos - 1, kept
+    # padded (position 0's row repeated at the front) while fewer than W positions exist from 0.
+    rows: torch.Tensor
     next_pos: int  # the first position whose features are not in the window
+    real: int  # rows that are real positions (the others are padding)
 
     def usable_at(self, last_computed: int, w: int) -> bool:
-        n = self.rows.shape[0]
-        return self.next_pos == last_computed and (n >= w or self.next_pos - n == 0)
+        return self.next_pos == last_computed and (self.real >= w or self.next_pos == self.real)
 
 
 @dataclass
@@ -53,7 +55,7 @@ class _DraftGraph:
 class DSparkProposer:
     def __init__(self, drafter: DSparkDrafter, kmax: int, device: torch.device,
                  generator_for: Callable[[Request], torch.Generator],
-                 count_forward: Callable[[bool], None] = lambda graphed: None) -> None:
+                 count_forward: Callable[[str], None] = lambda mode: None, depths: tuple[int, ...] = ()) -> None:
         if not 1 <= kmax <= drafter.cfg.block_size:
             raise ValueError(f"--speculative-config: num_speculative_tokens {kmax} is more than the DSpark drafter's "
                              f"block_size {drafter.cfg.block_size} (it drafts at most that many tokens per forward)")
@@ -65,7 +67,10 @@ class DSparkProposer:
         self.aux_layers = drafter.cfg.target_layers
         self.window = drafter.cfg.window
         self._windows: dict[str, _Window] = {}
-        self._graphs: dict[tuple[int, bool], _DraftGraph] = {}
+        # Block depths drafted (one graph each): the K values the policy uses; a batch drafts the
+        # smallest depth covering its largest K (drafts are prefix-consistent).
+        self.depths = tuple(sorted(set(depths) | {kmax}))
+        self._graphs: dict[tuple[int, int, bool], _DraftGraph] = {}
         self._buckets: tuple[int, ...] = ()
 
     # -- the proposer interface ---------------------------------------------------------------
@@ -79,10 +84,12 @@ class DSparkProposer:
             rid = s.request.request_id
             win = self._windows.get(rid)
             if win is None or win.next_pos != s.start:  # new, or recomputed from another position
-                win = self._windows[rid] = _Window(rows[-self.window :].clone(), s.start + n)
-            else:
-                win.rows = torch.cat([win.rows, rows])[-self.window :]
-                win.next_pos = s.start + n
+                win = self._windows[rid] = _Window(rows[:0], s.start, 0)
+            real = min(win.real + n, self.window)
+            win.rows = torch.cat([win.rows[win.rows.shape[0] - win.real :], rows])[-real:]
+            if win.next_pos + n == real and real < self.window:  # from position 0: pad with its row
+                win.rows = torch.cat([win.rows[:1].expand(self.window - real, -1), win.rows])
+            win.next_pos, win.real = s.start + n, real
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         if len(requests) != len(ks):
@@ -94,16 +101,16 @@ class DSparkProposer:
         if not idx:
             return drafts
         reqs = [requests[i] for i in idx]
-        feats = torch.stack([self._padded(self._windows[r.request_id].rows) for r in reqs])  # [N, W, F]
-        known = torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs],
-                             dtype=torch.long).to(self.device, non_blocking=True)
+        windows = [self._windows[r.request_id].rows for r in reqs]  # each [W, F]
+        known = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
         sampled = [not r.params.greedy for r in reqs]
-        tokens, probs, conf = self._draft(feats, known, reqs, sampled)
-        tokens_h, conf_h = tokens.tolist(), conf.tolist()  # the one host sync
+        depth = next(d for d in self.depths if d >= max(ks[i] for i in idx))
+        tokens, probs, conf = self._draft(windows, known, reqs, sampled, depth)
+        tokens_h = tokens.tolist()  # the one host sync
         for j, i in enumerate(idx):
             k = ks[i]
             q = probs[j, :k] if probs is not None and sampled[j] else None
-            drafts[i] = Draft(tokens_h[j][:k], q, conf_h[j][:k])
+            drafts[i] = Draft(tokens_h[j][:k], q, conf[j, :k])
         return drafts
 
     def remove(self, request_id: str) -> None:
@@ -113,18 +120,13 @@ class DSparkProposer:
         return len(self._windows)
 
     # -- drafting -----------------------------------------------------------------------------
-    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
-        """A window of fewer than W rows starts at position 0: repeat that row at the front."""
-        missing = self.window - rows.shape[0]
-        return rows if missing == 0 else torch.cat([rows[:1].expand(missing, -1), rows])
-
-    def _noise(self, reqs: Sequence[Request], sampled: Sequence[bool], n_rows: int
+    def _noise(self, reqs: Sequence[Request], sampled: Sequence[bool], n_rows: int, depth: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """inv_temp [n_rows] and Gumbel noise [n_rows, kmax, V]: each sampled request's drawn from
+        """inv_temp [n_rows] and Gumbel noise [n_rows, depth, V]: each sampled request's drawn from
         its own generator (seeded requests stay reproducible); greedy and padding rows get 1 and 0."""
         v = self.drafter.cfg.vocab_size
         inv_temp = torch.ones(n_rows, device=self.device)
-        gumbel = torch.zeros(n_rows, self.kmax, v, device=self.device)
+        gumbel = torch.zeros(n_rows, depth, v, device=self.device)
         temps = []
         for j, req in enumerate(reqs):
             if sampled[j]:
@@ -134,23 +136,24 @@ class DSparkProposer:
         inv_temp[: len(reqs)] = 1.0 / torch.tensor(temps, device=self.device)
         return inv_temp, gumbel
 
-    def _draft(self, feats: torch.Tensor, known: torch.Tensor, reqs: Sequence[Request], sampled: Sequence[bool]
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        n, any_sampled = feats.shape[0], any(sampled)
+    def _draft(self, windows: list[torch.Tensor], known: list[int], reqs: Sequence[Request],
+               sampled: Sequence[bool], depth: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        n, any_sampled = len(windows), any(sampled)
         bucket = next((b for b in self._buckets if b >= n), None)
-        graph = self._graphs.get((bucket, any_sampled)) if bucket is not None else None
-        self.count_forward(graph is not None)
+        graph = self._graphs.get((bucket, depth, any_sampled)) if bucket is not None else None
+        self.count_forward("cuda_graph" if graph is not None else "eager")
         if graph is None:
+            feats, known_t = torch.stack(windows), torch.tensor(known, device=self.device)
             if not any_sampled:
-                return self.drafter.draft_block(feats, known, self.kmax)
-            inv_temp, gumbel = self._noise(reqs, sampled, n)
-            return self.drafter.draft_block(feats, known, self.kmax, inv_temp, gumbel)
-        self._feats[:n].copy_(feats)
-        self._known[:n].copy_(known)
+                return self.drafter.draft_block(feats, known_t, depth)
+            inv_temp, gumbel = self._noise(reqs, sampled, n, depth)
+            return self.drafter.draft_block(feats, known_t, depth, inv_temp, gumbel)
+        torch.stack(windows, out=self._feats[:n])  # straight into the graph's input
+        self._known[:n].copy_(torch.tensor(known), non_blocking=True)
         if any_sampled:
-            inv_temp, gumbel = self._noise(reqs, sampled, n)
+            inv_temp, gumbel = self._noise(reqs, sampled, n, depth)
             self._inv_temp[:n].copy_(inv_temp)
-            self._gumbel[:n].copy_(gumbel)
+            self._gumbel[:n, :depth].copy_(gumbel)
         graph.graph.replay()
         return graph.tokens[:n], graph.probs[:n] if graph.probs is not None else None, graph.confidence[:n]
 
@@ -163,22 +166,22 @@ class DSparkProposer:
         self._known = torch.zeros(top, dtype=torch.long, device=dev)
         self._inv_temp = torch.ones(top, device=dev)
         self._gumbel = torch.zeros(top, self.kmax, cfg.vocab_size, device=dev)
-        shapes = [(b, s) for s in (False, True) for b in reversed(self._buckets)]
-        logger.info("Capturing CUDA graphs (drafter): %d shapes, DSpark block of %d drafts, batch buckets %s, "
-                    "greedy and sampling", len(shapes), self.kmax, list(self._buckets))
+        shapes = [(b, d, s) for s in (False, True) for d in reversed(self.depths) for b in reversed(self._buckets)]
+        logger.info("Capturing CUDA graphs (drafter): %d shapes, DSpark blocks of %s drafts x batch buckets %s, "
+                    "greedy and sampling", len(shapes), list(self.depths), list(self._buckets))
         pool, start = torch.cuda.graph_pool_handle(), time.perf_counter()
         with torch.inference_mode():
-            for i, (b, sampling) in enumerate(shapes):
-                args = (self._feats[:b], self._known[:b], self.kmax) + (
-                    (self._inv_temp[:b], self._gumbel[:b]) if sampling else ())
+            for i, (b, depth, sampling) in enumerate(shapes):
+                args = (self._feats[:b], self._known[:b], depth) + (
+                    (self._inv_temp[:b], self._gumbel[:b, :depth]) if sampling else ())
                 for _ in range(2):  # warm up outside the graph
                     self.drafter.draft_block(*args)
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     tokens, probs, conf = self.drafter.draft_block(*args)
-                self._graphs[(b, sampling)] = _DraftGraph(graph, tokens, probs, conf)
-                logger.info("Capturing CUDA graphs (drafter): %d/%d (batch %d, %s)", i + 1, len(shapes), b,
-                            "sampling" if sampling else "greedy")
+                self._graphs[(b, depth, sampling)] = _DraftGraph(graph, tokens, probs, conf)
+                logger.info("Capturing CUDA graphs (drafter): %d/%d (batch %d, %d drafts, %s)", i + 1, len(shapes),
+                            b, depth, "sampling" if sampling else "greedy")
         torch.cuda.synchronize(dev)
         logger.info("Captured %d DSpark drafter graphs in %.1f s", len(shapes), time.perf_counter() - start)

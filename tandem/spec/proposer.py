@@ -26,13 +26,14 @@ class Draft:
     probs: [len(tokens), V] float32, row i the distribution tokens[i] was drawn from (a sampling
         drafter; the verifier then accepts with min(1, p/q)); None when the tokens were chosen
         deterministically (n-gram lookup, greedy drafting: verified against a one-hot q).
-    confidence: the drafter's own estimate of P(token i accepted | tokens before it accepted),
-        where it has one (DSpark's confidence head); for the K controller.
+    confidence: [len(tokens)] float32 on the drafter's device: its own estimate of P(token i
+        accepted | tokens before it accepted), where it has one (DSpark's confidence head); for the
+        K controller (left on the device: reading it is a host sync).
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
-    confidence: list[float] | None = None
+    confidence: torch.Tensor | None = None
 
     def cut(self, k: int) -> Draft:
         """The first k tokens (drafts are prefix-consistent: the first k of a longer draft are the
