@@ -1,5 +1,5 @@
 """LLMEngine: add requests, step, abort. One step is propose -> schedule -> run -> sample (or
-verify drafts) -> postprocess.
+verify drafts) -> tell the proposer what was kept -> postprocess.
 
 A request that fails inside a step ends alone, with finish_reason "error", and the engine goes on
 serving the others; only a failure the engine cannot recover from (a device error, steps failing
@@ -334,7 +334,8 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Propose drafts -> schedule -> run the model -> sample or verify -> postprocess. Returns
+        """Propose drafts -> schedule -> run the model -> sample or verify -> let the proposer catch
+        up (`SpecDecoder.observe`: a drafter's KV or hidden-state window) -> postprocess. Returns
         a delta for every request that got tokens (several when it verified a draft) or finished.
 
         A failure ends only the requests it can be blamed on, each with finish_reason "error" and
