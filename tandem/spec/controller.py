@@ -168,13 +168,8 @@ class SpecDecoder:
 
     def capture(self, max_num_seqs: int, max_model_len: int) -> None:
         """CUDA graphs of the drafter's shapes (the n-gram proposer has none)."""
-        from tandem.spec.dspark_proposer import DSparkProposer
-        from tandem.spec.draft_model import DraftModelProposer
-
-        if isinstance(self.proposer, DraftModelProposer):
+        if hasattr(self.proposer, "capture"):
             self.proposer.capture(max_num_seqs, max_model_len)
-        elif isinstance(self.proposer, DSparkProposer):
-            self.proposer.capture(max_num_seqs)
 
     def phase(self, req: Request) -> Phase:
         """The request's phase after the tokens it kept up to the last `propose`."""

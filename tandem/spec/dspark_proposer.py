@@ -120,21 +120,20 @@ class DSparkProposer:
         return len(self._windows)
 
     # -- drafting -----------------------------------------------------------------------------
-    def _noise(self, reqs: Sequence[Request], sampled: Sequence[bool], n_rows: int, depth: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """inv_temp [n_rows] and Gumbel noise [n_rows, depth, V]: each sampled request's drawn from
-        its own generator (seeded requests stay reproducible); greedy and padding rows get 1 and 0."""
-        v = self.drafter.cfg.vocab_size
-        inv_temp = torch.ones(n_rows, device=self.device)
-        gumbel = torch.zeros(n_rows, depth, v, device=self.device)
+    def _noise(self, reqs: Sequence[Request], sampled: Sequence[bool], inv_temp: torch.Tensor,
+               gumbel: torch.Tensor) -> None:
+        """Fill inv_temp [N] and Gumbel noise gumbel [N, depth, V] (the graph's inputs, or fresh
+        tensors): each sampled request's noise drawn from its own generator (seeded requests stay
+        reproducible); greedy rows get 1 and 0."""
         temps = []
         for j, req in enumerate(reqs):
             if sampled[j]:
                 # -log(Exp(1)) is a standard Gumbel draw.
                 gumbel[j].exponential_(generator=self.generator_for(req)).log_().neg_()
+            else:
+                gumbel[j].zero_()
             temps.append(req.params.temperature if sampled[j] else 1.0)
-        inv_temp[: len(reqs)] = 1.0 / torch.tensor(temps, device=self.device)
-        return inv_temp, gumbel
+        inv_temp.copy_(1.0 / torch.tensor(temps), non_blocking=True)
 
     def _draft(self, windows: list[torch.Tensor], known: list[int], reqs: Sequence[Request],
                sampled: Sequence[bool], depth: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -146,19 +145,20 @@ class DSparkProposer:
             feats, known_t = torch.stack(windows), torch.tensor(known, device=self.device)
             if not any_sampled:
                 return self.drafter.draft_block(feats, known_t, depth)
-            inv_temp, gumbel = self._noise(reqs, sampled, n, depth)
+            inv_temp = torch.empty(n, device=self.device)
+            gumbel = torch.empty(n, depth, self.drafter.cfg.vocab_size, device=self.device)
+            self._noise(reqs, sampled, inv_temp, gumbel)
             return self.drafter.draft_block(feats, known_t, depth, inv_temp, gumbel)
         torch.stack(windows, out=self._feats[:n])  # straight into the graph's input
         self._known[:n].copy_(torch.tensor(known), non_blocking=True)
-        if any_sampled:
-            inv_temp, gumbel = self._noise(reqs, sampled, n, depth)
-            self._inv_temp[:n].copy_(inv_temp)
-            self._gumbel[:n, :depth].copy_(gumbel)
+        if any_sampled:  # drawn straight into the graph's inputs
+            self._noise(reqs, sampled, self._inv_temp[:n], self._gumbel[:n, :depth])
         graph.graph.replay()
         return graph.tokens[:n], graph.probs[:n] if graph.probs is not None else None, graph.confidence[:n]
 
-    def capture(self, max_num_seqs: int) -> None:
-        """Capture the drafter's block forward for every batch bucket, greedy and sampling."""
+    def capture(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the drafter's block forward for every batch bucket, depth, greedy and sampling
+        (its shapes do not depend on max_model_len: it reads W positions)."""
         self._buckets = batch_buckets(max_num_seqs)
         cfg, dev, top = self.drafter.cfg, self.device, self._buckets[-1]
         dtype = self.drafter.fc.weight.dtype
