@@ -67,7 +67,7 @@ def test_qwen3_streaming_split_matches_full_extract_at_every_cut(text: str) -> N
 
 
 def test_qwen3_split_rules() -> None:
-    assert Qwen3ReasoningParser().extract(OUTPUTS[0]) == ("\nweigh options\n", "\n\nThe answer is 42.")
+    assert Qwen3ReasoningParser().extract(OUTPUTS[0]) == ("\nweigh options\n", "The answer is 42.")
     # The output starts inside reasoning, also when the template put <think> in the prompt.
     assert Qwen3ReasoningParser("<|im_start|>assistant\n<think>\n").extract("r</think>c") == ("r", "c")
     assert Qwen3ReasoningParser().extract("cut short") == ("cut short", None)
@@ -327,11 +327,11 @@ def test_reasoning_split_through_http(model_dir) -> None:
         with httpx.Client(base_url=live.url, timeout=30) as client:
             msg = client.post("/v1/chat/completions", json={"messages": USER_HI}).json()["choices"][0]["message"]
             assert (msg["reasoning_content"], msg["reasoning"], msg["content"]) == (
-                "\nLet me think.", "\nLet me think.", "\n\nThe answer is 42.")
+                "\nLet me think.", "\nLet me think.", "The answer is 42.")
             chunks = _sse(client.post("/v1/chat/completions", json={"messages": USER_HI, "stream": True}))
             deltas = [c["choices"][0]["delta"] for c in chunks[1:]]
             assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nLet me think."
-            assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer is 42."
+            assert "".join(d.get("content", "") for d in deltas) == "The answer is 42."
             assert not any("<think>" in d.get("content", "") + d.get("reasoning", "") for d in deltas)
     finally:
         live.stop()

@@ -5,6 +5,10 @@ kwargs (both decide whether the output starts inside a reasoning block). `delta(
 streamed text; `flush()` releases text held back at the end; `extract()` does the same on a full
 text, so streamed and non-streamed responses always split the same way.
 
+Content starts at its first character that is not a line break: the blank line a model writes
+after its closing tag (`</think>\n\n`) is not part of the answer. Spaces and tabs are kept (an
+answer may be indented code).
+
 Adding a parser is one subclass plus `@register("name")`.
 """
 
@@ -40,11 +44,26 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
 
 
 class ReasoningParser(ABC):
+    """One generated choice's split. `start_tag` / `end_tag` delimit the reasoning;
+    `starts_in_reasoning` says whether this choice's output begins inside it (the structured-output
+    grammar leaves that part free and constrains what follows `end_tag`)."""
+
     name = ""
+    start_tag = ""
+    end_tag = ""
+    starts_in_reasoning = False
 
     def __init__(self, prompt: str = "", chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.prompt = prompt
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self._content_started = False
+
+    def _content(self, text: str) -> str:
+        """Content as emitted: the line breaks before its first other character are dropped."""
+        if not self._content_started:
+            text = text.lstrip("\r\n")
+            self._content_started = bool(text)
+        return text
 
     @abstractmethod
     def delta(self, text: str) -> Split:
@@ -63,7 +82,7 @@ class ReasoningParser(ABC):
         return reasoning or None, content or None
 
 
-def _partial_tag_len(text: str, tag: str) -> int:
+def partial_tag_len(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (a tag split
     across deltas), so it is held back instead of emitted."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -99,6 +118,7 @@ class Qwen3ReasoningParser(ReasoningParser):
         disabled = kw.get("enable_thinking") is False or kw.get("thinking") is False
         closed_in_prompt = prompt.rstrip().endswith(self.end_tag)
         self.mode = _Mode.CONTENT if (disabled or closed_in_prompt) else _Mode.START
+        self.starts_in_reasoning = self.mode is _Mode.START
         self.pending = ""  # held-back text: leading whitespace or a partial tag
 
     def delta(self, text: str) -> Split:
@@ -118,10 +138,10 @@ class Qwen3ReasoningParser(ReasoningParser):
                 reasoning, buf = buf[:end], buf[end + len(self.end_tag) :]
                 self.mode = _Mode.CONTENT
             else:
-                keep = _partial_tag_len(buf, self.end_tag)
+                keep = partial_tag_len(buf, self.end_tag)
                 reasoning, self.pending, buf = buf[: len(buf) - keep], buf[len(buf) - keep :], ""
         if self.mode is _Mode.CONTENT:
-            content = buf
+            content = self._content(buf)
         return reasoning or None, content or None
 
     def flush(self) -> Split:
@@ -129,5 +149,5 @@ class Qwen3ReasoningParser(ReasoningParser):
         if not rest:
             return None, None
         if self.mode is _Mode.CONTENT:
-            return None, rest
+            return None, self._content(rest) or None
         return rest, None
