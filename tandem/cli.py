@@ -1,8 +1,12 @@
 """The `tandem` command. `tandem serve [MODEL_DIR]` runs the OpenAI-compatible server.
 
-Flag names follow vLLM's. The port is bound before the model loads, so /health answers 503 during
-the load and 200 once the engine runs. SIGINT/SIGTERM stop accepting connections, let running
-requests finish for up to --shutdown-timeout seconds, abort the rest and exit 0.
+Flag names follow vLLM's: a vLLM launch line runs unchanged where the flags mean something here,
+and a vLLM flag that does not apply is refused with one line saying what to use instead (that
+table, the accepted no-op switches and the reporting of bad flags are in `tandem/cli_flags.py`;
+the flags, their configs and serving are here). The port
+is bound before the model loads, so /health answers 503 during the load and 200 once the engine
+runs. SIGINT/SIGTERM stop accepting connections, let running requests finish for up to
+--shutdown-timeout seconds, abort the rest and exit 0.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -20,9 +25,12 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from tandem.cli_flags import VLLM_REFUSED as VLLM_REFUSED  # re-exported: `from tandem.cli import VLLM_REFUSED`
+from tandem.cli_flags import FlagParser, HelpFormatter, add_accepted_flags, add_model_option
 from tandem.config import (
+    BLOCK_SIZES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -34,73 +42,80 @@ from tandem.config import (
     resolve_device,
     resolve_dtype,
 )
-from tandem.core import SEED_END, SEED_MIN
+from tandem.core import MAX_LOGPROBS, SEED_END, SEED_MIN
 
 logger = logging.getLogger("tandem")
 
-BUILTIN_REASONING_PARSER = "qwen3"
+# The shipped models (tandem-demo, tandem-builtin) are Qwen3-style: <think> reasoning and Hermes
+# <tool_call> blocks, so serving them turns both parsers on unless a flag says otherwise.
+SHIPPED_REASONING_PARSER = "qwen3"
+SHIPPED_TOOL_CALL_PARSER = "hermes"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+UVICORN_LOG_LEVELS = ("trace", *LOG_LEVELS)
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad flags print one line (no usage dump) and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        sys.exit(2)
-
-
-def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool | None, help: str) -> None:
     parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from tandem.server.reasoning import reasoning_parser_names
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="HF-format model directory, or a shipped model by name: tandem-demo (the trained demo "
+                        "model) or tandem-builtin (tiny, random weights) (default: tandem-demo)")
+    add_model_option(p)
 
-    parser = _Parser(prog="tandem", description="Serve Mixture-of-Experts LLMs behind an OpenAI-compatible API.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    s.add_argument("model", nargs="?", default=None,
-                   help="HF-format model directory, or a shipped model by name: tandem-demo (the default: the trained "
-                        "demo model) or tandem-builtin (tiny, random weights)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="model name clients send (default: from the model)")
-    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    s.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+
+def _add_serve_flags(s: argparse.ArgumentParser) -> None:
+    from tandem.server.reasoning import reasoning_parser_names
+    from tandem.server.tool_parsers import tool_parser_names
+
+    _add_model_flags(s)
+    s.add_argument("--host", default=ServerConfig.host, help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on (0: any free port)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients send as `model`: the first is the name in responses, requests may use any "
+                        "of them, /v1/models lists them all (default: tandem-demo / tandem-builtin for the shipped "
+                        "models, else the model directory's name)")
+    # -- capacity and scheduling
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output, in tokens (default: the checkpoint's max_position_embeddings)")
+    s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="most requests running in one step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help="most tokens computed in one step; longer prompts are prefilled in chunks of this size")
+    _bool_flag(s, "--enable-chunked-prefill", SchedulerConfig.enable_chunked_prefill,
+               "prefill a long prompt in chunks of --max-num-batched-tokens, next to the running decodes; "
+               "--no-enable-chunked-prefill prefills each prompt in one step, which needs --max-model-len at most "
+               "--max-num-batched-tokens")
     s.add_argument("--max-queued-requests", type=int, default=SchedulerConfig.max_queued_requests,
                    help="waiting requests beyond this get HTTP 503 with Retry-After")
-    s.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
-    s.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (overrides --gpu-memory-utilization)")
-    _bool_flag(s, "--enable-prefix-caching", CacheConfig.enable_prefix_caching, "reuse the KV cache of shared prompt prefixes")
-    s.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
-    s.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    s.add_argument("--seed", type=int, default=0)
+    # -- memory and KV cache
+    s.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
+                   help="share of the GPU's memory Tandem may use; the KV cache gets what weights and activations "
+                        "leave")
+    s.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="KV cache size, e.g. 4GiB; overrides --gpu-memory-utilization and works on CPU too "
+                        "(default: what --gpu-memory-utilization leaves on CUDA, 4GiB on CPU)")
+    s.add_argument("--block-size", type=int, default=CacheConfig.block_size, metavar="N",
+                   help=f"tokens per KV cache block: {', '.join(map(str, BLOCK_SIZES))}")
+    _bool_flag(s, "--enable-prefix-caching", CacheConfig.enable_prefix_caching,
+               "reuse the KV cache of shared prompt prefixes")
+    # -- execution
+    s.add_argument("--dtype", default="auto",
+                   help="weights and activations: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16 or "
+                        "float32")
+    s.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto: cuda when torch sees a GPU, else cpu")
+    s.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests that give none")
     s.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (every step runs eagerly; for debugging)")
-    s.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=True,
-                   help="fused Triton kernels for RMSNorm, rotary, SiLU*up, routing and small-batch MoE on CUDA "
-                        "(default on: 2.5x batch-1 decode on an H200); --no-fused-ops runs the torch reference")
+    _bool_flag(s, "--fused-ops", RunnerConfig.fused_ops,
+               "fused Triton kernels for RMSNorm, rotary, SiLU*up, routing and small-batch MoE on CUDA (2.5x "
+               "batch-1 decode on an H200); --no-fused-ops runs the torch reference")
     s.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
                    help="auto: Triton paged attention on CUDA, the torch reference elsewhere")
     s.add_argument("--moe-backend", default="auto", choices=("auto", "torch", "grouped"),
                    help="auto: grouped-GEMM experts on CUDA in bf16/fp16, the torch reference elsewhere")
-    s.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)")
-    s.add_argument("--reasoning-parser", default=None, choices=[*reasoning_parser_names(), "none"],
-                   help="split reasoning from content (default: qwen3 for the built-in model, else none)")
-    s.add_argument("--chat-template", default=None, help="path to a jinja chat template, or the template itself")
-    s.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
-                   help='defaults for chat_template_kwargs, e.g. \'{"enable_thinking": false}\'')
-    s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
-                   help="seconds running requests may finish after SIGINT/SIGTERM")
-    s.add_argument("--max-n", type=int, default=ServerConfig.max_n,
-                   help=f"most choices (`n`) one request may ask for (default {ServerConfig.max_n})")
-    s.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts,
-                   help=f"most prompts in one /v1/completions request (default {ServerConfig.max_prompts})")
-    s.add_argument("--chat-template-timeout", type=float, default=ServerConfig.render_timeout, metavar="SECONDS",
-                   help="a chat template render that runs longer is stopped and the request gets HTTP 400 "
-                        f"(default {ServerConfig.render_timeout:g})")
     s.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch threads for CPU work (default: the cores this process may use, less one for the "
                         "server thread)")
@@ -108,22 +123,78 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 3}\'; plus "adaptive": "phase" with "phase_k": {"reasoning": 1, '
                         '"content": 2} for a draft depth per request phase (default: off)')
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
-    p = sub.add_parser("plan", help="print where weights and KV cache go, and whether it fits, without loading")
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF-format model directory, tandem-demo (default) or tandem-builtin")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    # -- the API
+    s.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)")
+    s.add_argument("--reasoning-parser", default=None, choices=[*reasoning_parser_names(), "none"],
+                   help="split reasoning from content (default: qwen3 for the shipped models, else none)")
+    s.add_argument("--tool-call-parser", default=None, choices=[*tool_parser_names(), "none"],
+                   help="parse tool calls in chat outputs into `tool_calls` (default: hermes for the shipped models, "
+                        "else none)")
+    _bool_flag(s, "--enable-auto-tool-choice", None,
+               'let the model decide when to call a tool (`"tool_choice": "auto"`); needs --tool-call-parser '
+               "(default: on for the shipped models, else off)")
+    s.add_argument("--chat-template", default=None,
+                   help="path to a jinja chat template, or the template itself (default: the tokenizer's)")
+    s.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help='defaults for chat_template_kwargs, e.g. \'{"enable_thinking": false}\' (default: {})')
+    s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for the fields a request leaves out: auto, the model directory's "
+                        "generation_config.json; vllm, none (Tandem's own); DIR, DIR/generation_config.json")
+    s.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
+                   help=f"most top logprobs one request may ask for (logprobs, top_logprobs), 0..{MAX_LOGPROBS}")
+    s.add_argument("--max-n", type=int, default=ServerConfig.max_n, help="most choices (`n`) one request may ask for")
+    s.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts,
+                   help="most prompts in one /v1/completions request")
+    s.add_argument("--chat-template-timeout", type=float, default=ServerConfig.render_timeout, metavar="SECONDS",
+                   help="a chat template render that runs longer is stopped and the request gets HTTP 400")
+    s.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout, metavar="SECONDS",
+                   help="seconds running requests may finish after SIGINT/SIGTERM")
+    # -- logging
+    s.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="level of Tandem's own log")
+    s.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                   help="level of uvicorn's loggers; its access log writes a line per request at info "
+                        "(default: --log-level)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic engine stats line in the log (/metrics is unaffected)")
+    add_accepted_flags(s)
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    _add_model_flags(p)
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto: cuda when torch sees a GPU, else cpu")
     p.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32")
     p.add_argument("--gpu-memory", default=None, help="plan for a GPU of this size, e.g. 24GiB (default: this GPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
-    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization,
+                   help="share of the GPU's memory Tandem may use")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: from "
+                                                          "--gpu-memory-utilization)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output, in tokens (default: the checkpoint's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="most requests running in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help="most tokens computed in one step")
+
+
+def build_parser() -> FlagParser:
+    parser = FlagParser(prog="tandem", description="Serve Mixture-of-Experts LLMs behind an OpenAI-compatible API.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Whole flag names only (no abbreviations): `--max-num-seq` is a typo to point out, and a vLLM
+    # flag that happens to prefix one of Tandem's must not be taken for it.
+    serve_parser = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
+                                  description="Run the OpenAI-compatible HTTP server. Flags follow vLLM's names.",
+                                  allow_abbrev=False)
+    _add_serve_flags(serve_parser)
+    plan_parser = sub.add_parser("plan", help="print where weights and KV cache go, and whether it fits, without "
+                                              "loading", formatter_class=HelpFormatter, allow_abbrev=False)
+    _add_plan_flags(plan_parser)
     # Listed for --help only: `run` hands `tandem bench ...` to tandem.bench.cli before this parser
     # sees it, so serving never imports the client-side bench code (httpx and the tools).
     sub.add_parser("bench", add_help=False, help="benchmark and quality tools for any OpenAI-compatible server "
                                                  "(`tandem bench --help` lists them)")
+    parser.commands = {"serve": serve_parser, "plan": plan_parser}
     return parser
 
 
@@ -167,9 +238,8 @@ def _json_object(text: str | None, flag: str) -> dict[str, Any]:
     return value
 
 
-def build_configs(args: argparse.Namespace, model_dir: str) -> tuple[EngineConfig, ServerConfig]:
-    """Flags -> frozen configs; raises ValueError with a message that names the flag."""
-    device = resolve_device(args.device)
+def _check_flags(args: argparse.Namespace) -> None:
+    """Range checks of the serve flags that no config object makes itself."""
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise ValueError("--max-model-len must be positive")
     if not 0 < args.port < 65536 and args.port != 0:
@@ -182,16 +252,69 @@ def build_configs(args: argparse.Namespace, model_dir: str) -> tuple[EngineConfi
         raise ValueError(f"--seed must be in [-2^63, 2^64), got {args.seed}")
     if not args.chat_template_timeout > 0:
         raise ValueError("--chat-template-timeout must be positive")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in 0..{MAX_LOGPROBS} (Tandem returns at most {MAX_LOGPROBS} top "
+                         f"logprobs per token), got {args.max_logprobs}")
+    if not args.enable_chunked_prefill and (args.max_model_len is None
+                                            or args.max_model_len > args.max_num_batched_tokens):
+        # Without chunks a prompt longer than one step's token budget would wait forever.
+        got = "none" if args.max_model_len is None else args.max_model_len
+        raise ValueError("--no-enable-chunked-prefill prefills each prompt in one step, so it needs --max-model-len "
+                         f"at most --max-num-batched-tokens ({args.max_num_batched_tokens}); --max-model-len is {got}")
+    if args.generation_config not in ("auto", "vllm"):  # DIR: its file is read and checked before the model loads
+        from tandem.tokenizer import read_generation_defaults
+
+        read_generation_defaults(args.generation_config)  # TokenizerError (a ValueError) naming the file
+
+
+def _served_names(args: argparse.Namespace, model_dir: str, shipped: str | None) -> tuple[str, ...]:
+    """--served-model-name's names without repeats; by default the shipped model's name or the
+    directory's."""
+    from tandem.builtin import BUILTIN_NAME, DEMO_NAME
+
+    if args.served_model_name:
+        if not all(name.strip() for name in args.served_model_name):
+            raise ValueError("--served-model-name: a name must not be empty")
+        return tuple(dict.fromkeys(args.served_model_name))
+    if shipped is not None:
+        return (BUILTIN_NAME if shipped == "builtin" else DEMO_NAME,)
+    return (Path(model_dir).resolve().name,)
+
+
+def _tool_call_parser(args: argparse.Namespace, shipped: str | None) -> tuple[str | None, bool]:
+    """(--tool-call-parser, --enable-auto-tool-choice) with the shipped models' defaults, and vLLM's
+    rule that auto tool choice needs a parser."""
+    name = args.tool_call_parser or (SHIPPED_TOOL_CALL_PARSER if shipped else None)
+    name = None if name == "none" else name
+    auto = args.enable_auto_tool_choice
+    if auto is None:
+        auto = shipped is not None and name is not None
+    if auto and name is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes)")
+    return name, auto
+
+
+def build_configs(args: argparse.Namespace, model_dir: str, shipped: str | None = None
+                  ) -> tuple[EngineConfig, ServerConfig]:
+    """Flags -> frozen configs; raises ValueError with a message that names the flag.
+
+    `shipped` is what `shipped_model` says MODEL_DIR is ("demo", "builtin" or None); the shipped
+    models default to their names, the qwen3 reasoning parser and the hermes tool-call parser."""
+    _check_flags(args)
+    device = resolve_device(args.device)
+    names = _served_names(args, model_dir, shipped)
     model = ModelConfig(
         model=model_dir,
         dtype=resolve_dtype(args.dtype, device),
         device=device,
         max_model_len=args.max_model_len,
-        served_model_name=args.served_model_name,
+        served_model_name=names[0],
         chat_template=args.chat_template,
         seed=args.seed,
+        generation_config=args.generation_config,
     )
     cache = CacheConfig(
+        block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -200,23 +323,33 @@ def build_configs(args: argparse.Namespace, model_dir: str) -> tuple[EngineConfi
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queued_requests=args.max_queued_requests,
+        enable_chunked_prefill=args.enable_chunked_prefill,
     )
-    parser = None if args.reasoning_parser == "none" else args.reasoning_parser
+    reasoning = args.reasoning_parser or (SHIPPED_REASONING_PARSER if shipped else None)
+    tool_parser, auto_tool_choice = _tool_call_parser(args, shipped)
     server = ServerConfig(
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
-        reasoning_parser=parser,
+        served_model_names=names,
+        reasoning_parser=None if reasoning == "none" else reasoning,
+        tool_call_parser=tool_parser,
+        enable_auto_tool_choice=auto_tool_choice,
         default_chat_template_kwargs=_json_object(args.default_chat_template_kwargs, "--default-chat-template-kwargs"),
         shutdown_timeout=args.shutdown_timeout,
         max_n=args.max_n,
         max_prompts=args.max_prompts_per_request,
+        max_logprobs=args.max_logprobs,
         render_timeout=args.chat_template_timeout,
+        uvicorn_log_level=args.uvicorn_log_level or args.log_level,
     )
     runner = RunnerConfig(args.attention_backend, args.moe_backend, args.enforce_eager, args.fused_ops,
                           args.cpu_threads)
     spec = SpecConfig.parse(args.speculative_config)
-    return EngineConfig(model=model, cache=cache, scheduler=scheduler, spec=spec, runner=runner), server
+    stats_interval = math.inf if args.disable_log_stats else EngineConfig.log_stats_interval
+    engine = EngineConfig(model=model, cache=cache, scheduler=scheduler, spec=spec, runner=runner,
+                          log_stats_interval=stats_interval)
+    return engine, server
 
 
 # ---- serving ------------------------------------------------------------------------------------
@@ -323,8 +456,8 @@ async def _serve(engine_cfg: EngineConfig, server_cfg: ServerConfig, builtin: bo
                 engine.on_fatal = on_fatal
                 engine.start()
                 attach_engine(app, engine, engine_cfg.model.chat_template)
-                logger.info("Ready: serving %s on http://%s:%d", engine.model_name, server_cfg.host,
-                            sock.getsockname()[1])
+                names = ", ".join(server_cfg.served_model_names) or engine.model_name
+                logger.info("Ready: serving %s on http://%s:%d", names, server_cfg.host, sock.getsockname()[1])
             except Exception as e:  # noqa: BLE001 - any load failure (incl. ChatTemplateError) ends the server
                 logger.error("Could not start the engine: %s", e)
                 mark_load_failed(app, str(e))
@@ -371,21 +504,17 @@ def shipped_model(model: str | None) -> tuple[str | None, str | None]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from tandem.builtin import BUILTIN_NAME, DEMO_NAME
-
     shipped, model_dir = shipped_model(args.model)
-    builtin = shipped == "builtin"
-    if shipped is not None:  # the shipped models are Qwen3-style reasoning models
-        args.served_model_name = args.served_model_name or (BUILTIN_NAME if builtin else DEMO_NAME)
-        args.reasoning_parser = args.reasoning_parser or BUILTIN_REASONING_PARSER
-    args.model = model_dir
     if args.chat_template:  # a missing file or a syntax error is a flag error: report it before loading
         from tandem.server.chat_template import ChatTemplate, resolve_template_source
 
         ChatTemplate(resolve_template_source(args.chat_template, None))
-    engine_cfg, server_cfg = build_configs(args, args.model or "<built-in>")
+    engine_cfg, server_cfg = build_configs(args, model_dir or "<built-in>", shipped)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    return asyncio.run(_serve(engine_cfg, server_cfg, builtin, args.log_level))
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code changes nothing: Tandem never runs code from a checkpoint, it loads only "
+                    "the architectures it implements")
+    return asyncio.run(_serve(engine_cfg, server_cfg, shipped == "builtin", server_cfg.uvicorn_log_level))
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -402,7 +531,7 @@ def run(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return plan(args)
     except ValueError as e:
-        parser.error(str(e))
+        parser.commands.get(args.command, parser).error(str(e))
     except OSError as e:
         sys.stderr.write(f"tandem: error: {e}\n")
         return 1

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tandem.core import MAX_LOGPROBS
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -23,6 +25,8 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # --block-size: tokens per KV cache block
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -68,6 +72,10 @@ class ModelConfig:
     served_model_name: str | None = None
     chat_template: str | None = None  # a path or an inline jinja template; None: the tokenizer's
     seed: int = 0
+    # --generation-config: where the sampling defaults of fields a request leaves out come from.
+    # "auto": the model directory's generation_config.json; "vllm": none (SamplingParams' own);
+    # else a directory holding the generation_config.json to use (eos ids stay the model's).
+    generation_config: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -113,8 +121,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError("block_size must be positive")
+        if isinstance(self.block_size, bool) or self.block_size not in BLOCK_SIZES:  # (True == 1)
+            raise ValueError(f"--block-size must be one of {', '.join(map(str, BLOCK_SIZES))} (tokens per KV cache "
+                             f"block), got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -261,15 +270,22 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # --served-model-name: the names requests may use; the first (the engine's model_name) is the
+    # one responses carry. Empty: only the engine's model_name.
+    served_model_names: tuple[str, ...] = ()
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None  # --tool-call-parser (tandem/server/tool_parsers.py)
+    enable_auto_tool_choice: bool = False  # `"tool_choice": "auto"` allowed; needs tool_call_parser
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_request_body_bytes: int = 16 * 1024 * 1024
     max_json_depth: int = 64  # nesting of a request body's JSON, checked when it is parsed
     max_n: int = 16  # --max-n: choices per request
     max_prompts: int = 64  # --max-prompts-per-request: prompts in one /v1/completions request
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: top logprobs one request may ask for
     # Chat templates render and prompts tokenize in worker processes (never on the event loop);
     # a render that runs longer than this is killed and answered with HTTP 400.
     text_workers: int = 2
     render_timeout: float = 10.0
     shutdown_timeout: float = 30.0
     max_header_bytes: int = 64 * 1024  # uvicorn's h11 limit on a request's header block
+    uvicorn_log_level: str = "info"  # --uvicorn-log-level (default: --log-level)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,17 @@ def _sampling_defaults(gen: dict[str, Any], path: Path) -> dict[str, Any]:
     return defaults
 
 
+def read_generation_defaults(directory: str | Path) -> dict[str, Any]:
+    """The sampling defaults of `directory`/generation_config.json (`--generation-config DIR`),
+    checked as `Tokenizer.from_dir` checks the model directory's; TokenizerError naming the path
+    when the file is missing or bad."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        raise TokenizerError(f"{path}: missing (--generation-config DIR reads the sampling defaults from "
+                             "DIR/generation_config.json)")
+    return _sampling_defaults(_read_json(path), path)
+
+
 @dataclass
 class Tokenizer:
     model_dir: Path
@@ -169,6 +180,14 @@ class Tokenizer:
             eos_ids.add(fast.token_to_id(eos))
         defaults = _sampling_defaults(gen, gen_path)
         return cls(model_dir, fast, template, bos, eos, frozenset(eos_ids), defaults)
+
+    def with_generation_config(self, source: str) -> Tokenizer:
+        """This tokenizer with the sampling defaults `--generation-config source` asks for: "auto"
+        keeps the model directory's generation_config.json ones, "vllm" drops them (SamplingParams'
+        own apply), a directory's generation_config.json replaces them. eos ids stay the model's."""
+        if source == "auto":
+            return self
+        return replace(self, generation_defaults={} if source == "vllm" else read_generation_defaults(source))
 
     @property
     def vocab_size(self) -> int:

@@ -336,7 +336,11 @@ def test_gauges_read_zero_after_the_last_stream_is_dropped(http, server, engine)
                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(request)
-        assert b"data:" in sock.recv(65536)  # streaming has begun
+        received = b""
+        while b"data:" not in received:  # streaming has begun (the headers may come in a packet of their own)
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream ended before its first event: {received!r}"
+            received += chunk
         assert engine.engine.num_unfinished == 1  # still running when the client goes
     _wait_idle(engine)
     deadline = time.monotonic() + 10

@@ -93,7 +93,10 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.device = torch.device(mc.device)
-        self.tokenizer = Tokenizer.from_dir(mc.model)
+        self.tokenizer = Tokenizer.from_dir(mc.model).with_generation_config(mc.generation_config)
+        defaults = self.tokenizer.generation_defaults
+        logger.info("Sampling defaults for fields a request leaves out: %s (--generation-config %s)",
+                    ", ".join(f"{k} {v}" for k, v in defaults.items()) or "Tandem's own", mc.generation_config)
         self.model_name = mc.served_model_name or Path(mc.model).resolve().name
         if model is None:
             info = inspect_checkpoint(mc.model)  # validates every file before memory is touched

@@ -52,9 +52,15 @@ class ServerState:
             raise errors.engine_unavailable("Service unavailable: the engine has stopped")
         return self.engine
 
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request may give as `model`: the engine's model_name (the one responses
+        carry) first, then the other --served-model-name names."""
+        first = self.ready_engine().model_name
+        return (first, *(name for name in self.cfg.served_model_names if name != first))
+
     def check_model(self, name: str | None) -> None:
-        engine = self.ready_engine()
-        if name and name != engine.model_name:
+        """503 while no engine serves, `unknown_model` for a name that is not served; no name is fine."""
+        if name and name not in self.model_names():
             raise errors.unknown_model(name)
 
     def template(self) -> ChatTemplate:
@@ -240,7 +246,9 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"] if scope["path"] in self.routes else "other"
+        path = scope["path"]
+        if path not in self.routes:  # a model id is not a label value: the route's template is
+            path = "/v1/models/{model_id}" if path.startswith("/v1/models/") else "other"
 
         async def recording_send(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -63,6 +63,12 @@ def unknown_model(name: str) -> APIError:
     return APIError(UNKNOWN_MODEL_STATUS, f"The model `{name}` does not exist.", "model", "NotFoundError")
 
 
+def model_not_found(name: str) -> APIError:
+    """GET /v1/models/{name} of a name that is not served: 404, as OpenAI and vLLM answer a missing
+    resource (a request *naming* an unknown model is `unknown_model`)."""
+    return APIError(HTTPStatus.NOT_FOUND, f"The model `{name}` does not exist.", "model", "NotFoundError")
+
+
 def unauthorized() -> APIError:
     return APIError(HTTPStatus.UNAUTHORIZED, "Unauthorized: send `Authorization: Bearer <api key>`")
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from tandem.core import ParamError, RequestOutput, SamplingParams, TokenLogprobs
+from tandem.core import MAX_LOGPROBS, ParamError, RequestOutput, SamplingParams, TokenLogprobs
 from tandem.engine.async_engine import EngineDeadError, QueueFullError
 from tandem.server import errors
 from tandem.server.errors import APIError
@@ -41,9 +41,13 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     defaults: dict[str, Any],
+    max_logprobs: int = MAX_LOGPROBS,
+    logprobs_param: str = "logprobs",
 ) -> SamplingParams:
     """SamplingParams from a request; fields the request leaves out take the checkpoint's
-    generation_config.json defaults, then SamplingParams' own. Invalid values -> HTTP 400."""
+    generation_config.json defaults, then SamplingParams' own. Invalid values -> HTTP 400.
+    `logprobs` above `max_logprobs` (--max-logprobs) is refused naming `logprobs_param`, the
+    request field it came from (chat's is top_logprobs)."""
     fields: dict[str, Any] = {}
     for name in _SAMPLING_FIELDS:
         value = getattr(req, name)
@@ -54,6 +58,9 @@ def build_sampling_params(
     stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
     if max_tokens is not None and max_tokens < 1:
         raise errors.bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > max_logprobs:
+        raise errors.bad_request(f"{logprobs_param} must be an integer in [0, {max_logprobs}] (--max-logprobs), "
+                                 f"got {logprobs}", logprobs_param)
     try:
         return SamplingParams(
             max_tokens=max_tokens,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -86,13 +86,26 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_card(name: str, engine: Any) -> ModelCard:
+    # `root` is the first served name (vLLM gives the checkpoint's path, which is not the client's
+    # business); every --served-model-name alias has the same root.
+    return ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    engine = state_of(request).ready_engine()
-    # `root` is the served name, as vLLM gives it: the checkpoint's path on this machine is not the
-    # client's business.
-    card = ModelCard(id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len)
-    return json_response(ModelList(data=[card]))
+    state = state_of(request)
+    engine = state.ready_engine()
+    return json_response(ModelList(data=[_model_card(name, engine) for name in state.model_names()]))
+
+
+@router.get("/v1/models/{model_id:path}")  # `path`: a served name may hold slashes (Qwen/Qwen3-30B-A3B)
+async def model(request: Request, model_id: str) -> Response:
+    state = state_of(request)
+    engine = state.ready_engine()
+    if model_id not in state.model_names():
+        raise errors.model_not_found(model_id)
+    return json_response(_model_card(model_id, engine))
 
 
 @router.post("/tokenize")

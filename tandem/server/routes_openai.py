@@ -143,7 +143,8 @@ async def completions(request: Request) -> Response:
         raise errors.bad_request("echo together with logprobs (prompt logprobs) is not supported", "echo")
     prompts = await _completion_prompts(req, state)
     params = build_sampling_params(
-        req, max_tokens=req.max_tokens, logprobs=req.logprobs, defaults=engine.tokenizer.generation_defaults
+        req, max_tokens=req.max_tokens, logprobs=req.logprobs, defaults=engine.tokenizer.generation_defaults,
+        max_logprobs=state.cfg.max_logprobs,
     )
     rid = new_request_id("cmpl")
     jobs = [(f"{rid}-{p}-{k}", ids, per_choice_seed(params, k)) for p, ids in enumerate(prompts) for k in range(req.n)]
@@ -218,7 +219,10 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise errors.bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, defaults=engine.tokenizer.generation_defaults)
+    params = build_sampling_params(
+        req, max_tokens=max_tokens, logprobs=logprobs, defaults=engine.tokenizer.generation_defaults,
+        max_logprobs=state.cfg.max_logprobs, logprobs_param="top_logprobs",
+    )
     rid = new_request_id("chatcmpl")
     jobs = [(f"{rid}-{k}", ids, per_choice_seed(params, k)) for k in range(req.n)]
     kwargs = {**state.template().default_kwargs, **(req.chat_template_kwargs or {})}
