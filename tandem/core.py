@@ -99,6 +99,8 @@ class SamplingParams:
     - logprobs: None or 0 .. 20
     - seed: None or any integer in [-2^63, 2^64), stored reduced modulo 2^64 (`reduce_seed`)
     - stop: a string or a list of non-empty strings; stop_token_ids: a list of token ids
+    - grammar: None, or a Lark grammar in llguidance's dialect the output must follow
+      (`tandem/engine/structured.py`; the engine compiles it when the request is added)
 
     Floats must be finite real numbers (NaN and infinities are refused), integers must be ints
     (not bools, not floats), flags must be bools.
@@ -120,6 +122,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
     skip_special_tokens: bool = True
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Each field is replaced by its checked, normalised value (plain float / int / tuple).
@@ -154,6 +157,8 @@ class SamplingParams:
         set_("stop_token_ids", tuple(int(t) for t in ids))
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _flag(name, getattr(self, name))
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ParamError("grammar must be a non-empty string (a Lark grammar)", "grammar")
 
     @property
     def greedy(self) -> bool:

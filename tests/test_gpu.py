@@ -135,3 +135,34 @@ def test_drafters_and_verify_steps_replay_cuda_graphs(method):
     assert _count(llm, "model_steps", "eager") == 0 and _count(llm, "model_steps", "cuda_graph") > 0
     assert _count(llm, "spec_decode_drafter_steps", "eager") == 0
     assert _count(llm, "spec_decode_drafter_steps", "cuda_graph") > 0
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "dspark", "num_speculative_tokens": 3}])
+def test_structured_output_masks_graph_logits_on_cuda(spec):
+    """A json_schema grammar on the demo (bf16, CUDA graphs, with and without DSpark): every answer
+    after the reasoning parses and has the schema's keys, greedy and sampled, and the steps still
+    replay graphs (the mask is applied to the graph's logits, outside it)."""
+    import json
+
+    from tandem.builtin import demo_model_dir
+    from tandem.server.chat_template import ChatTemplate
+    from tandem.engine.structured import json_rule
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 10**9},
+                                               "unit": {"enum": ["none", "m", "kg"]}},
+              "required": ["answer", "unit"], "additionalProperties": False}
+    grammar = "\n".join(["start: think gap answer", "think: <think>? /(?s:.*)/ </think>", r"gap: /[ \t\r\n]{0,8}/",
+                         f"answer: {json_rule(schema)}"])
+    llm = LLM(str(demo_model_dir()), device="cuda", kv_cache_memory="512MiB", max_num_seqs=4, max_model_len=4096,
+              speculative_config=spec)
+    tok = llm.tokenizer
+    template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    questions = ["What is 48213 + 37795?", "What is 812 * 7?", "Convert 3 km to m.", "Sort 5, 3, 9, 1."]
+    prompts = [tok.encode(template.render([{"role": "user", "content": q}])) for q in questions]
+    params = [SamplingParams(max_tokens=400, temperature=0.0, grammar=grammar),
+              SamplingParams(max_tokens=400, temperature=1.0, seed=3, grammar=grammar)] * 2
+    outs = llm.generate(prompts, params)
+    for o in outs:
+        assert o.finish_reason == "stop", o.text[-200:]
+        assert set(json.loads(o.text.split("</think>", 1)[1])) == {"answer", "unit"}
+    assert _count(llm, "model_steps", "eager") == 0 and _count(llm, "model_steps", "cuda_graph") > 0

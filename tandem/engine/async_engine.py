@@ -147,6 +147,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def check_grammar(self, grammar: str) -> str | None:
+        """None when a structured-output grammar compiles for this model, else the error. Any thread."""
+        return self.engine.structured.check(grammar)
+
     # -- background thread ----------------------------------------------------------------------
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         entry = self._streams.get(request_id)

@@ -26,6 +26,7 @@ from tandem.engine.metrics import EngineMetrics, StatsWindow
 from tandem.engine.runner import ModelRunner, allocate_kv_caches
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tandem.engine.structured import StepMasks, StructuredOutputs
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
 from tandem.models.base import CausalLM
@@ -116,6 +117,7 @@ class LLMEngine:
                 "are not what the model was trained for", mc.max_model_len, self.model.max_position_embeddings,
             )
         self.sampler = Sampler(self.device, mc.seed)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.spec = self._load_spec() if config.spec.enabled else None
         groups = group_layers(self.model.kv_cache_specs())
         block_size = config.cache.block_size
@@ -305,9 +307,12 @@ class LLMEngine:
         KV cache; ValueError when its id is in use."""
         if req.request_id in self.states:
             raise ValueError(f"request id {req.request_id} is already in use")
+        if req.params.grammar is not None:
+            self.structured.add(req)  # ParamError when it does not compile
         try:
             self.scheduler.add(req)
         except ValueError as e:
+            self.structured.remove(req.request_id)
             raise ParamError(str(e), "messages") from e
         self.states[req.request_id] = _ReqState(IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens))
         self._update_gauges()
@@ -350,6 +355,8 @@ class LLMEngine:
             drafts = self.spec.propose(self.scheduler.running) if self.spec else {}
             if self.spec is not None:
                 self._count_spec_step()
+                if len(self.structured):
+                    drafts = self.structured.cut_drafts(drafts)
             sched = self.scheduler.schedule({rid: d.tokens for rid, d in drafts.items()})
         except Exception as e:  # noqa: BLE001 - the queues were mid-update: no request is above suspicion
             return self._fail_step("scheduling", e, list(self.scheduler.requests.values()))
@@ -361,7 +368,8 @@ class LLMEngine:
                 return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
             self._failed_steps = 0
             self.metrics.model_steps.labels(model_name=self.model_name, mode=forward.mode).inc()
-            results = self._sample(forward.logits, sched.scheduled, drafts)
+            masks = self.structured.fill(sched.scheduled) if len(self.structured) else None  # while the GPU runs
+            results = self._sample(forward.logits, sched.scheduled, drafts, masks)
             accepted = {s.request.request_id: r.num_accepted for s, r in results if isinstance(r, VerifyResult)}
             self.scheduler.update_after_step(sched, accepted)  # rejected drafts' slots go back here
             if self.spec is not None:
@@ -373,19 +381,27 @@ class LLMEngine:
         self._update_gauges()
         return outputs
 
-    def _sample(self, logits: torch.Tensor, batch: list[ScheduledRequest], drafts: Mapping[str, Draft]
-                ) -> list[tuple[ScheduledRequest, VerifyResult | Exception]]:
+    def _sample(self, logits: torch.Tensor, batch: list[ScheduledRequest], drafts: Mapping[str, Draft],
+                masks: StepMasks | None = None) -> list[tuple[ScheduledRequest, VerifyResult | Exception]]:
         """The new tokens of every request that samples this step (logits [R, V]: each one's
         `num_logits` rows, in batch order), or the error that failed it alone.
 
         Requests without a draft are sampled together (`_sample_rows`, today's one-token path);
         plain greedy requests with a draft share one argmax pass (`accept_greedy`); every other
         request with a draft is verified on its 1 + K rows (`tandem.spec.verify`), drawing from
-        the generator the sampler keeps for it."""
+        the generator the sampler keeps for it. Requests with a grammar have their rows masked
+        first (`masks`, from `StructuredOutputs.fill`); one whose mask failed is failed alone."""
         sampling = [s for s in batch if s.samples]
         offsets = list(accumulate((s.num_logits for s in sampling), initial=0))
         results: list[VerifyResult | Exception] = [Exception("not sampled")] * len(sampling)
-        plain = [i for i, s in enumerate(sampling) if not s.draft]
+        masked: dict[int, Exception] = {}
+        if masks is not None:
+            masks.apply(logits)
+            masked = {i: masks.failed[s.request.request_id] for i, s in enumerate(sampling)
+                      if s.request.request_id in masks.failed}
+            for i, e in masked.items():
+                results[i] = e
+        plain = [i for i, s in enumerate(sampling) if not s.draft and i not in masked]
         if plain:
             rows = logits if len(plain) == len(sampling) else logits[[offsets[i] for i in plain]]
             sampled, failed = self._sample_rows(rows, [sampling[i].request for i in plain])
@@ -394,13 +410,13 @@ class LLMEngine:
                 results[i] = failed[j] if j in failed else VerifyResult([sampled.token_ids[j]], 0, None if lp is None else [lp])
         # Plain greedy verifies (most of them) share one argmax over the step's rows and one host
         # sync; the others are verified one by one.
-        batched = {i for i, s in enumerate(sampling) if s.draft and is_plain_greedy(s.request)}
+        batched = {i for i, s in enumerate(sampling) if s.draft and is_plain_greedy(s.request) and i not in masked}
         top = logits.argmax(dim=-1).tolist() if batched else []  # [R]
         for i in sorted(batched):
             tokens, n = accept_greedy(list(sampling[i].draft), top[offsets[i] : offsets[i + 1]])
             results[i] = VerifyResult(tokens, n)
         for i, s in enumerate(sampling):
-            if s.draft and i not in batched:
+            if s.draft and i not in batched and i not in masked:
                 draft = drafts[s.request.request_id].cut(len(s.draft))  # the scheduler may cut a draft
                 results[i] = self._verify(s, logits[offsets[i] : offsets[i + 1]], draft.probs)
         return list(zip(sampling, results))
@@ -545,11 +561,17 @@ class LLMEngine:
         params = req.params
         finish, stop_reason = None, None
         stopped_by_token = False
+        grammar_done = self.structured.accept(req, token)  # a constrained request whose grammar is complete
         if token in req.eos_token_ids and req.num_output_tokens > params.min_tokens - 1:
             finish, stopped_by_token = "stop", True
         elif token in params.stop_token_ids and req.num_output_tokens > params.min_tokens - 1:
             finish, stop_reason, stopped_by_token = "stop", token, True
-        last = stopped_by_token or req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len
+        elif grammar_done and token in self.tokenizer.eos_token_ids:  # the grammar's EOS (ignore_eos, min_tokens)
+            finish, stopped_by_token = "stop", True
+        elif grammar_done:
+            finish = "stop"
+        last = (finish is not None or req.num_output_tokens >= req.max_tokens
+                or req.num_tokens >= self.max_model_len)
         if not stopped_by_token or params.include_stop_str_in_output:
             state.detok.push([token], final=last)
         elif last:
@@ -590,6 +612,7 @@ class LLMEngine:
         self.states.pop(req.request_id, None)
         self.scheduler.finish(req, reason)
         self.sampler.release(req.request_id)
+        self.structured.remove(req.request_id)
         if self.spec is not None:
             self.spec.remove(req.request_id)
         m = self.metrics

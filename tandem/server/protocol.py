@@ -158,9 +158,11 @@ class TokenizeRequest(_Request):
 
 def chat_template_inputs(req: ChatCompletionRequest | TokenizeRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """A chat request's messages and tools as the plain data a chat template reads (fields the
-    client did not send are left out)."""
+    client did not send are left out). With tool_choice "none" the tools are not rendered."""
     messages = [m.model_dump(exclude_none=True) for m in req.messages or ()]
-    return messages, [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if not req.tools or getattr(req, "tool_choice", None) == "none":
+        return messages, None
+    return messages, [t.model_dump(exclude_none=True) for t in req.tools]
 
 
 class DetokenizeRequest(_Request):
@@ -264,6 +266,7 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # `ToolCallDelta.to_openai()` shapes
 
 
 class ChatChunkChoice(BaseModel):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -42,6 +44,8 @@ from tandem.server.protocol import (
 )
 from tandem.server.reasoning import ReasoningParser
 from tandem.server.routes_misc import json_response, parse_model_request
+from tandem.server.structured import ToolUse, build_grammar, check_tool_schemas, tool_use
+from tandem.server.tool_parsers import ToolParser, get_tool_parser
 
 router = APIRouter()
 
@@ -209,11 +213,38 @@ async def _completion_events(
 # ---- /v1/chat/completions -----------------------------------------------------------------------
 
 
+def _tool_parser_class(state: ServerState) -> type[ToolParser] | None:
+    name = state.cfg.tool_call_parser
+    return get_tool_parser(name) if name else None
+
+
+async def _grammar(state: ServerState, req: ChatCompletionRequest, use: ToolUse, parsers: list,
+                   tool_class: type[ToolParser] | None) -> str | None:
+    """The request's structured-output grammar (None: free output), compiled once off the event
+    loop to turn a bad schema into a 400 naming its field before the request starts."""
+    reasoning = parsers[0] if parsers else None
+    grammar, field = build_grammar(req, use, tool_class, reasoning, state.engine.tokenizer)
+    if grammar is None:
+        return None
+    check = state.engine.check_grammar
+
+    def validate() -> str | None:
+        check_tool_schemas(use.forced, check)
+        return check(grammar)
+
+    error = await asyncio.to_thread(validate)
+    if error:
+        raise errors.bad_request(f"{field} cannot be enforced: {error}", field)
+    return grammar
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state, req = await parse_model_request(request, ChatCompletionRequest)
     engine = state.engine
     check_n(req.n, state.cfg.max_n)
+    tool_class = _tool_parser_class(state)
+    use = tool_use(req, tool_class, state.cfg.enable_auto_tool_choice)
     prompt, ids = await state.render_chat(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs is not None and not req.logprobs:
@@ -224,26 +255,41 @@ async def chat_completions(request: Request) -> Response:
         max_logprobs=state.cfg.max_logprobs, logprobs_param="top_logprobs",
     )
     rid = new_request_id("chatcmpl")
-    jobs = [(f"{rid}-{k}", ids, per_choice_seed(params, k)) for k in range(req.n)]
     kwargs = {**state.template().default_kwargs, **(req.chat_template_kwargs or {})}
-    parsers = [state.reasoning_parser(prompt, kwargs) if state.reasoning_parser else None for _ in jobs]
+    parsers = [state.reasoning_parser(prompt, kwargs) if state.reasoning_parser else None for _ in range(req.n)]
+    grammar = await _grammar(state, req, use, parsers, tool_class)
+    if grammar is not None:
+        params = dataclasses.replace(params, grammar=grammar)
+    jobs = [(f"{rid}-{k}", ids, per_choice_seed(params, k)) for k in range(req.n)]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    tool_parsers = [tool_class(tools) if use.parse and tool_class else None for _ in jobs]
     try:
         streams = await unless_disconnected(request, start_streams(engine, jobs))
         if req.stream:
-            return _sse(_chat_events(state, req, rid, streams, parsers))
+            return _sse(_chat_events(state, req, rid, streams, parsers, tool_parsers))
         choices = await unless_disconnected(request, _collect(streams))
     except ClientDisconnected:
         return Response(status_code=CLIENT_GONE_STATUS)
     out = []
-    for i, (c, parser) in enumerate(zip(choices, parsers)):
+    for i, (c, parser, tool_parser) in enumerate(zip(choices, parsers, tool_parsers)):
         reasoning, content = parser.extract(c.text) if parser else (None, c.text)
-        if content is None and reasoning is None:
+        calls = []
+        if tool_parser is not None and content:
+            content, calls = tool_parser.extract(content)
+        if content is None and reasoning is None and not calls:
             content = ""
         lp = chat_logprobs(engine.tokenizer, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-        message = ChatMessageOut(content=content, reasoning_content=reasoning, reasoning=reasoning)
-        out.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        message = ChatMessageOut(content=content, reasoning_content=reasoning, reasoning=reasoning,
+                                 tool_calls=[call.to_openai() for call in calls])
+        finish = _finish_reason(c.finish_reason, bool(calls))
+        out.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=finish, stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(id=rid, model=engine.model_name, choices=out, usage=_usage(choices, req.n))
     return json_response(resp)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when a choice that stopped by itself made calls."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _split(parser: ReasoningParser | None, text: str, finished: bool) -> tuple[str | None, str | None]:
@@ -257,8 +303,21 @@ def _split(parser: ReasoningParser | None, text: str, finished: bool) -> tuple[s
     return reasoning, content
 
 
+def _tool_split(parser: ToolParser | None, content: str | None, finished: bool
+                ) -> tuple[str | None, list[dict] | None]:
+    """A content delta through the choice's tool-call parser: (content, tool_calls delta or None)."""
+    if parser is None:
+        return content, None
+    parts = [parser.delta(content)] if content else []
+    if finished:
+        parts.append(parser.flush())
+    text = "".join(p.content or "" for p in parts) or None
+    calls = [d.to_openai() for p in parts for d in p.calls]
+    return text, calls or None
+
+
 async def _chat_events(
-    state: ServerState, req: ChatCompletionRequest, rid: str, streams: list, parsers: list
+    state: ServerState, req: ChatCompletionRequest, rid: str, streams: list, parsers: list, tool_parsers: list
 ) -> AsyncIterator[str]:
     engine = state.engine
     model = engine.model_name
@@ -270,16 +329,20 @@ async def _chat_events(
         async for i, out in merge_streams(streams):
             choices[i].add(out)
             reasoning, content = _split(parsers[i], out.new_text, out.finished)
+            content, calls = _tool_split(tool_parsers[i], content, out.finished)
             lp = None
             if req.logprobs and out.logprobs:
                 lp = chat_logprobs(engine.tokenizer, out.logprobs, req.top_logprobs or 0)
-            if reasoning is None and content is None and lp is None and not out.finished:
-                continue  # e.g. a tag held back by the reasoning parser
+            if reasoning is None and content is None and calls is None and lp is None and not out.finished:
+                continue  # e.g. a tag held back by the reasoning or tool-call parser
+            finish = None
+            if out.finished:
+                finish = _finish_reason(out.finish_reason, bool(tool_parsers[i] and tool_parsers[i].calls))
             choice = ChatChunkChoice(
                 index=i,
-                delta=DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning),
+                delta=DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls),
                 logprobs=lp,
-                finish_reason=out.finish_reason if out.finished else None,
+                finish_reason=finish,
                 stop_reason=out.stop_reason if out.finished else None,
             )
             yield ChatCompletionChunk(id=rid, model=model, choices=[choice]).sse()
