@@ -23,7 +23,7 @@ from tandem.builtin import demo_model_dir
 from tandem.demo import text
 from tandem.demo.corpus import EVAL_SEED, FAMILIES, make_example
 from tandem.engine import structured
-from tandem.engine.structured import json_rule
+from tandem.engine.structured import json_schema_grammar
 
 SCHEMA = {
     "type": "object",
@@ -35,12 +35,7 @@ SCHEMA = {
     "required": ["answer", "confidence", "facts"],
     "additionalProperties": False,
 }
-GRAMMAR = "\n".join([
-    "start: think gap answer",
-    "think: <think>? /(?s:.*)/ </think>",
-    r"gap: /[ \t\r\n]{0,8}/",
-    f"answer: {json_rule(SCHEMA)}",
-])
+GRAMMAR = json_schema_grammar(SCHEMA, ("<think>", "</think>"))
 
 
 class _Timer:

@@ -12,24 +12,22 @@ import asyncio
 import logging
 import math
 import re
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 import tandem
 from tandem import cli
 from tandem.builtin import DEMO_DIR, DEMO_NAME, ensure_builtin_model
-from tandem.cli import bind_socket, build_configs, build_parser, shipped_model, uvicorn_config
+from tandem.cli import build_configs, build_parser, shipped_model
 from tandem.cli_flags import VLLM_ACCEPTED, VLLM_REFUSED, option_strings
 from tandem.config import CacheConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.engine import LLMEngine
 from tandem.server.app import create_app
 from tandem.tokenizer import Tokenizer
+from test_server import LiveServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -306,23 +304,6 @@ def test_readme_flag_table_matches_the_parser(monkeypatch) -> None:
 # ---- over HTTP: served names, --max-logprobs ----------------------------------------------------------------------
 
 
-class _LiveServer:
-    def __init__(self, app, cfg) -> None:
-        sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn_config(app, cfg, "warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def http(model_dir):
     _, engine_cfg, server_cfg = _configs(["serve", str(model_dir), "--device", "cpu", "--max-model-len", "256",
@@ -331,7 +312,7 @@ def http(model_dir):
     engine = AsyncEngine.from_config(engine_cfg)
     engine.start()
     app = create_app(engine, server_cfg)
-    live = _LiveServer(app, server_cfg)
+    live = LiveServer(app, server_cfg)
     try:
         with httpx.Client(base_url=live.url, timeout=60) as client:
             yield client

@@ -146,13 +146,12 @@ def test_structured_output_masks_graph_logits_on_cuda(spec):
 
     from tandem.builtin import demo_model_dir
     from tandem.server.chat_template import ChatTemplate
-    from tandem.engine.structured import json_rule
+    from tandem.engine.structured import json_schema_grammar
 
     schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 10**9},
                                                "unit": {"enum": ["none", "m", "kg"]}},
               "required": ["answer", "unit"], "additionalProperties": False}
-    grammar = "\n".join(["start: think gap answer", "think: <think>? /(?s:.*)/ </think>", r"gap: /[ \t\r\n]{0,8}/",
-                         f"answer: {json_rule(schema)}"])
+    grammar = json_schema_grammar(schema, ("<think>", "</think>"))
     llm = LLM(str(demo_model_dir()), device="cuda", kv_cache_memory="512MiB", max_num_seqs=4, max_model_len=4096,
               speculative_config=spec)
     tok = llm.tokenizer

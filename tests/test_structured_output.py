@@ -11,9 +11,8 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.builtin import demo_model_dir
 from tandem.core import ParamError
-from tandem.engine.structured import apply_token_bitmask
+from tandem.engine.structured import apply_token_bitmask, json_schema_grammar
 from tandem.server.chat_template import ChatTemplate
-from tandem.engine.structured import json_rule
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -27,12 +26,7 @@ SCHEMA = {
     "additionalProperties": False,
 }
 # The demo's reasoning stays free; what follows </think> must be the schema's JSON.
-GRAMMAR = "\n".join([
-    "start: think gap answer",
-    "think: <think>? /(?s:.*)/ </think>",
-    r"gap: /[ \t\r\n]{0,8}/",
-    f"answer: {json_rule(SCHEMA)}",
-])
+GRAMMAR = json_schema_grammar(SCHEMA, ("<think>", "</think>"))
 QUESTIONS = ["What is 48213 + 37795?", "Sort these numbers: 5, 3, 9, 1.", "What is 812 * 7?"]
 
 

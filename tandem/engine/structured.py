@@ -75,6 +75,19 @@ def _shifts(device: torch.device) -> torch.Tensor:
     return torch.arange(32, dtype=torch.int32, device=device)
 
 
+def json_schema_grammar(schema: dict[str, Any], reasoning: tuple[str, str] | None = None) -> str:
+    """The grammar of an output that is JSON valid against `schema`. With reasoning = (start tag,
+    end tag), both tokens of the vocabulary (e.g. ("<think>", "</think>")), free reasoning comes
+    first (the start tag optional: templates may put it in the prompt), then at most a few line
+    breaks or spaces, then the JSON; the server writes this for `response_format` (with its own
+    rules for tools, `tandem/server/structured.py`)."""
+    if reasoning is None:
+        return f"start: {json_rule(schema)}"
+    start, end = reasoning
+    return "\n".join(["start: think gap answer", f"think: {start}? /(?s:.*)/ {end}", r"gap: /[ \t\r\n]{0,8}/",
+                      f"answer: {json_rule(schema)}"])
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
     """In place: logits [R, V]; rows: the M row indices to mask; bitmask [M, ceil(V/32)] int32 on the
     CPU, bit j of word w allowing token 32 * w + j. Disallowed tokens of those rows become -inf.
