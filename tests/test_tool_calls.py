@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tandem.builtin import demo_model_dir
-from tandem.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig, parse_size
+from tandem.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig, SpecConfig, parse_size
 from tandem.demo.corpus import EVAL_SEED, TOOLS, make_example
 from tandem.engine.async_engine import AsyncEngine
 from tandem.server.app import create_app
@@ -195,3 +195,29 @@ def test_auto_tool_choice_needs_the_server_flag(engine) -> None:
         assert forced.message.tool_calls and forced.finish_reason == "tool_calls"
     finally:
         live.stop()
+
+
+def test_streamed_calls_are_whole_when_deltas_carry_several_tokens(engine, client) -> None:
+    """Under DSpark speculation one delta holds several tokens (a call's name and arguments may
+    arrive together); the reassembled stream is still the non-streamed call, and the same as
+    without speculation (greedy, fp32)."""
+    cfg = EngineConfig(ModelConfig(str(demo_model_dir()), torch.float32, "cpu", max_model_len=2048,
+                                   served_model_name="tandem-demo"),
+                       cache=CacheConfig(kv_cache_memory=parse_size("64MiB")),
+                       spec=SpecConfig.parse({"method": "dspark", "num_speculative_tokens": 4}))
+    spec_engine = AsyncEngine.from_config(cfg)
+    spec_engine.start()
+    live, oa = _client(spec_engine)
+    try:
+        want = _chat(client, WEATHER, tools=TOOLS).choices[0].message.tool_calls[0].function
+        got = _chat(oa, WEATHER, tools=TOOLS).choices[0].message.tool_calls[0].function
+        assert (got.name, got.arguments) == (want.name, want.arguments)
+        content, calls, finish = _streamed(oa, WEATHER, tools=TOOLS)
+        assert finish == "tool_calls" and not content
+        assert [(c["name"], c["arguments"]) for c in calls] == [(want.name, want.arguments)]
+        accepted = sum(s.value for m in spec_engine.engine.metrics.registry.collect() for s in m.samples
+                       if s.name == "tandem:spec_decode_num_accepted_tokens_total")
+        assert accepted > 0  # drafts were kept: some deltas did carry several tokens
+    finally:
+        live.stop()
+        asyncio.run(spec_engine.shutdown(1.0))
