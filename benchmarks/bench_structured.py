@@ -73,6 +73,8 @@ def prompts(n: int) -> list[list[int]]:
 def run(llm: LLM, ids: list[list[int]], grammar: str | None, concurrency: int, max_tokens: int) -> dict[str, Any]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, grammar=grammar)
     tokens, elapsed, valid, finished = 0, 0.0, 0, 0
+    cache = llm.engine.structured.mask_cache
+    hits0, misses0 = cache.hits, cache.misses
     timer = _Timer()
     for name in ("fill", "accept", "cut_drafts"):
         timer.wrap(llm.engine.structured, name)
@@ -99,6 +101,7 @@ def run(llm: LLM, ids: list[list[int]], grammar: str | None, concurrency: int, m
         "seconds": elapsed, "tok_s": tokens / elapsed, "stopped": finished,
         "valid_json": valid if grammar is not None else None,
         "grammar_us_per_token": timer.seconds / tokens * 1e6 if grammar is not None else None,
+        "mask_cache_hits": cache.hits - hits0, "mask_cache_misses": cache.misses - misses0,
     }
 
 
@@ -121,8 +124,9 @@ def main() -> None:
             for grammar in (None, GRAMMAR):  # interleaved: drift hits both alike
                 r = run(llm, ids, grammar, conc, args.max_tokens) | {"repeat": rep}
                 results.append(r)
-                extra = (f", grammar {r['grammar_us_per_token']:.1f} us/token, valid JSON {r['valid_json']}/{r['requests']}"
-                         if grammar else "")
+                looked_up = max(1, r["mask_cache_hits"] + r["mask_cache_misses"])
+                extra = (f", grammar {r['grammar_us_per_token']:.1f} us/token, valid JSON {r['valid_json']}/{r['requests']}, "
+                         f"mask cache hits {r['mask_cache_hits'] / looked_up:.0%}" if grammar else "")
                 print(f"rep {rep} conc {conc} {'json_schema' if grammar else 'free':11s}: {r['tok_s']:8.1f} tok/s "
                       f"({r['tokens']} tokens in {r['seconds']:.2f} s){extra}", flush=True)
     if args.out:

@@ -11,7 +11,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.builtin import demo_model_dir
 from tandem.core import ParamError
-from tandem.engine.structured import apply_token_bitmask, json_schema_grammar
+from tandem.engine.structured import MaskCache, apply_token_bitmask, json_schema_grammar
 from tandem.server.chat_template import ChatTemplate
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -64,8 +64,18 @@ def test_apply_token_bitmask_matches_a_reference() -> None:
         for t in range(vocab):
             if not (int(bits[n, t // 32]) >> (t % 32)) & 1:
                 want[r, t] = float("-inf")
+    original = logits.clone()
     apply_token_bitmask(logits, rows, bits)
     assert torch.equal(logits, want)
+    # Through the cache: the same result, and a mask seen before is a hit.
+    cache = MaskCache(size=3)
+    for expect_hits in (0, 3):
+        again = original.clone()
+        apply_token_bitmask(again, rows, bits, cache)
+        assert torch.equal(again, want) and (cache.hits, cache.misses) == (expect_hits, 3)
+    small = MaskCache(size=2)
+    apply_token_bitmask(original.clone(), rows, bits, small)
+    assert len(small._masks) == 2 and bits[0].numpy().tobytes() not in small._masks  # the oldest dropped
 
 
 def test_json_schema_is_followed_where_the_free_model_answers_in_prose(llm) -> None:

@@ -34,6 +34,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -88,27 +89,65 @@ def json_schema_grammar(schema: dict[str, Any], reasoning: tuple[str, str] | Non
                       f"answer: {json_rule(schema)}"])
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+def _unpack(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """bitmask [M, words] int32 (host) -> forbidden [M, V] bool on `device`. On the CPU numpy
+    unpacks it (one call); on a GPU the packed words are copied (V/8 bytes a row, not V) and
+    unpacked there."""
+    if device.type == "cpu":
+        unpacked = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+        return torch.from_numpy(unpacked) == 0
+    bits = bitmask.to(device, non_blocking=True)
+    return ((bits[:, :, None] >> _shifts(device)) & 1).view(bits.shape[0], -1)[:, :vocab] == 0
+
+
+class MaskCache:
+    """Unpacked masks by their packed bits, least recently used dropped past `size`. Most steps of
+    a constrained request repeat a mask seen before (free reasoning allows every ordinary token;
+    inside a JSON string every character but a few), and a hit skips the copy and the unpacking:
+    masking is then one kernel. Holds size * V bytes on the logits' device."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._masks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def forbidden(self, bitmask: torch.Tensor, vocab: int, device: torch.device) -> list[torch.Tensor]:
+        """The forbidden [V] bool mask of each bitmask row, on `device`."""
+        out = []
+        packed = bitmask.numpy()
+        for n in range(packed.shape[0]):
+            key = packed[n].tobytes()
+            mask = self._masks.get(key)
+            if mask is None:
+                self.misses += 1
+                mask = self._masks[key] = _unpack(bitmask[n : n + 1], vocab, device)[0]
+                if len(self._masks) > self.size:
+                    self._masks.popitem(last=False)
+            else:
+                self.hits += 1
+                self._masks.move_to_end(key)
+            out.append(mask)
+        return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor,
+                        cache: MaskCache | None = None) -> None:
     """In place: logits [R, V]; rows: the M row indices to mask; bitmask [M, ceil(V/32)] int32 on the
     CPU, bit j of word w allowing token 32 * w + j. Disallowed tokens of those rows become -inf.
-
-    On the CPU the bits are unpacked by numpy (one call); on a GPU the packed words are copied
-    (V/8 bytes a row, not V) and unpacked there."""
+    With a cache, masks seen before are not unpacked again."""
     if not rows:
         return
-    vocab = logits.shape[1]
-    if logits.device.type == "cpu":
-        unpacked = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-        forbidden = torch.from_numpy(unpacked) == 0  # [M, V]
+    vocab, dev = logits.shape[1], logits.device
+    if cache is None:
+        forbidden = _unpack(bitmask, vocab, dev)  # [M, V]
     else:
-        shifts = _shifts(logits.device)
-        bits = bitmask.to(logits.device, non_blocking=True)
-        forbidden = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab] == 0
+        masks = cache.forbidden(bitmask, vocab, dev)
+        forbidden = masks[0][None] if len(masks) == 1 else torch.stack(masks)
     with torch.inference_mode():  # the runner's logits are inference tensors
         if len(rows) == 1:
             logits[rows[0]].masked_fill_(forbidden[0], float("-inf"))
         else:
-            index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            index = torch.tensor(rows, dtype=torch.long, device=dev)
             logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
 
 
@@ -121,10 +160,11 @@ class StepMasks:
     rows: list[int]
     bitmask: torch.Tensor  # [len(rows), words] int32, host
     failed: dict[str, Exception]
+    cache: MaskCache | None = None
 
     def apply(self, logits: torch.Tensor) -> None:
         """Mask the step's logits [R, V] in place."""
-        apply_token_bitmask(logits, self.rows, self.bitmask)
+        apply_token_bitmask(logits, self.rows, self.bitmask, self.cache)
 
 
 class StructuredOutputs:
@@ -138,6 +178,7 @@ class StructuredOutputs:
         self._lock = threading.Lock()  # `check` runs on server threads, the rest on the engine's
         self._matchers: dict[str, Any] = {}
         self._host: torch.Tensor | None = None  # bitmask rows, reused across steps (`_buffer`)
+        self.mask_cache = MaskCache()
 
     def _tokenizer(self) -> Any:
         """llguidance's view of the vocabulary, built on first use (about 1 s for a 150k vocabulary)."""
@@ -208,7 +249,7 @@ class StructuredOutputs:
                 rows += self._fill(matcher, list(s.draft), bitmask, len(rows), offsets[j])
             except Exception as e:  # noqa: BLE001 - this request alone
                 failed[s.request.request_id] = e
-        return StepMasks(rows, bitmask[: len(rows)], failed)
+        return StepMasks(rows, bitmask[: len(rows)], failed, self.mask_cache)
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         """A [num_rows, words] int32 view of a reused host buffer, pinned when a GPU reads it (the
