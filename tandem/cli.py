@@ -3,9 +3,8 @@
 Flag names follow vLLM's: a vLLM launch line runs unchanged where the flags mean something here,
 and a vLLM flag that does not apply is refused with one line saying what to use instead (that
 table, the accepted no-op switches and the reporting of bad flags are in `tandem/cli_flags.py`;
-the flags, their configs and serving are here). The port
-is bound before the model loads, so /health answers 503 during the load and 200 once the engine
-runs. SIGINT/SIGTERM stop accepting connections, let running requests finish for up to
+the flags, their configs and serving are here). The port is bound before the model loads, so
+/health answers 503 during the load and 200 once the engine runs. SIGINT/SIGTERM stop accepting connections, let running requests finish for up to
 --shutdown-timeout seconds, abort the rest and exit 0.
 """
 

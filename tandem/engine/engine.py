@@ -12,10 +12,9 @@ import logging
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -23,6 +22,7 @@ from tandem.attention import get_attention_backend
 from tandem.config import EngineConfig, usable_cpus
 from tandem.core import ErrorKind, ParamError, Request, RequestOutput, SamplingParams, TokenLogprobs
 from tandem.engine.metrics import EngineMetrics, StatsWindow
+from tandem.engine.output import RequestState, take_token
 from tandem.engine.runner import ModelRunner, allocate_kv_caches
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -75,17 +75,6 @@ def _all_ints(values: Sequence[object]) -> bool:
     return all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
 
 
-@dataclass
-class _ReqState:
-    """Engine-side bookkeeping of a request (text, timing) that the scheduler does not need."""
-
-    detok: IncrementalDetokenizer
-    sent_chars: int = 0  # characters of detok.text already returned
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         """Load the checkpoint at config.model.model. `model`, if given, is used instead of the
@@ -131,7 +120,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, self.device, self.spec.aux_layers if self.spec else ())
         self._capture_graphs()
         self.metrics = EngineMetrics(self.model_name)
-        self.states: dict[str, _ReqState] = {}
+        self.states: dict[str, RequestState] = {}
         self._window = StatsWindow(time.monotonic())
         self._prefix_reported = (0, 0)  # prefix-cache counters already pushed to Prometheus
         self._failed_steps = 0  # steps in a row that failed as a whole (see _fail_step)
@@ -314,7 +303,7 @@ class LLMEngine:
         except ValueError as e:
             self.structured.remove(req.request_id)
             raise ParamError(str(e), "messages") from e
-        self.states[req.request_id] = _ReqState(IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens))
+        self.states[req.request_id] = RequestState(IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens))
         self._update_gauges()
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -517,7 +506,7 @@ class LLMEngine:
         state.last_token_time = now
         return out
 
-    def _emit(self, req: Request, state: _ReqState, tokens: list[int], lps: list[TokenLogprobs] | None
+    def _emit(self, req: Request, state: RequestState, tokens: list[int], lps: list[TokenLogprobs] | None
               ) -> RequestOutput:
         """Append the step's new tokens and build the request's delta (the one owner of output
         post-processing: detokenizing, stop conditions, finishing).
@@ -555,58 +544,11 @@ class LLMEngine:
             self._finish(req, finish)
         return out
 
-    def _emit_token(self, req: Request, state: _ReqState, token: int) -> tuple[str, str | None, int | str | None]:
-        """Detokenize one appended token and apply the stop conditions; returns (the text it
-        releases, finish reason or None, stop reason)."""
-        params = req.params
-        finish, stop_reason = None, None
-        stopped_by_token = False
-        grammar_done = self.structured.accept(req, token)  # a constrained request whose grammar is complete
-        if token in req.eos_token_ids and req.num_output_tokens > params.min_tokens - 1:
-            finish, stopped_by_token = "stop", True
-        elif token in params.stop_token_ids and req.num_output_tokens > params.min_tokens - 1:
-            finish, stop_reason, stopped_by_token = "stop", token, True
-        elif grammar_done and token in self.tokenizer.eos_token_ids:  # the grammar's EOS (ignore_eos, min_tokens)
-            finish, stopped_by_token = "stop", True
-        elif grammar_done:
-            finish = "stop"
-        last = (finish is not None or req.num_output_tokens >= req.max_tokens
-                or req.num_tokens >= self.max_model_len)
-        if not stopped_by_token or params.include_stop_str_in_output:
-            state.detok.push([token], final=last)
-        elif last:
-            state.detok.push([], final=True)
-        text = state.detok.text
-        hold = 0
-        if params.stop and finish is None and req.num_output_tokens >= params.min_tokens:
-            hit = self._find_stop(text, state.sent_chars, params.stop)
-            if hit is not None:
-                pos, stop = hit
-                end = pos + len(stop) if params.include_stop_str_in_output else pos
-                text = text[:end]
-                finish, stop_reason = "stop", stop
-            else:
-                # Hold back a possible partial stop string at the end of the text.
-                hold = max(len(s) for s in params.stop) - 1
-        if finish is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
-            finish = "length"
-        if finish is not None:
-            hold = 0
-        emit_upto = max(state.sent_chars, len(text) - hold)
-        new_text = text[state.sent_chars : emit_upto]
-        state.sent_chars = emit_upto
-        return new_text, finish, stop_reason
-
-    @staticmethod
-    def _find_stop(text: str, sent: int, stops: Iterable[str]) -> tuple[int, str] | None:
-        """Earliest stop string in the unsent tail (a stop may straddle already-sent text only if
-        it was held back, which `hold` guarantees)."""
-        best: tuple[int, str] | None = None
-        for stop in stops:
-            pos = text.find(stop, max(0, sent - len(stop) + 1))
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        return best
+    def _emit_token(self, req: Request, state: RequestState, token: int) -> tuple[str, str | None, int | str | None]:
+        """Detokenize one appended token and apply the stop conditions (`take_token`); the grammar
+        of a constrained request consumes it first."""
+        grammar_done = self.structured.accept(req, token)
+        return take_token(req, state, token, grammar_done, self.tokenizer.eos_token_ids, self.max_model_len)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.states.pop(req.request_id, None)
