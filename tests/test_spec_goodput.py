@@ -1,0 +1,129 @@
+"""The goodput controller's core (tandem/spec/goodput.py) on hand-worked acceptance and cost tables."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tandem.spec.goodput import (
+    AcceptanceStats,
+    StepCost,
+    choose_ks,
+    expected_accepted,
+    goodput,
+    hand_cost,
+)
+
+# Batch 1 on a GPU: one more verify token costs 5% of a step (a memory-bound decode).
+CHEAP = hand_cost({1: {1: 1.0, 2: 1.05, 3: 1.10, 4: 1.15, 5: 1.20}})
+
+
+def test_expected_accepted_is_the_sum_of_running_products() -> None:
+    rates = [0.8, 0.6, 0.4, 0.2]
+    assert expected_accepted(rates, 0) == 0.0
+    assert expected_accepted(rates, 2) == pytest.approx(0.8 + 0.48)
+    assert expected_accepted(rates, 4) == pytest.approx(0.8 + 0.48 + 0.192 + 0.0384)
+
+
+def test_batch_one_with_cheap_verify_tokens_picks_the_hand_worked_best_k() -> None:
+    rates = [[0.8, 0.6, 0.4, 0.2]]
+    # G(K) = (1 + E(K)) / T(K): 1.000, 1.714, 2.073, 2.150, 2.092 -> K = 3.
+    by_k = [goodput(rates, [k], CHEAP) for k in range(5)]
+    assert [round(g, 3) for g in by_k] == [1.0, 1.714, 2.073, 2.15, 2.092]
+    assert choose_ks(rates, (1, 2, 3, 4), CHEAP) == [3]
+
+
+def test_high_concurrency_where_a_verify_token_costs_a_full_token_picks_k_zero() -> None:
+    # Batch 16, compute-bound: the step time grows with the tokens per request, and a batch mixing
+    # depths is padded to the longest, so one request drafting makes everyone pay.
+    cost = hand_cost({16: {1: 1.0, 2: 2.0, 3: 3.0}})
+    rates = [[0.6, 0.3]] * 16
+    assert goodput(rates, [0] * 16, cost) == pytest.approx(16.0)
+    assert goodput(rates, [1] * 16, cost) == pytest.approx(12.8)
+    assert goodput(rates, [1] + [0] * 15, cost) == pytest.approx(8.3)
+    assert choose_ks(rates, (1, 2), cost) == [0] * 16
+    # Nearly free verify tokens at batch 16: all draft together (no single request's move from
+    # all-0 pays, as the padded step charges everyone; the search tries uniform depths too).
+    assert choose_ks(rates, (1, 2), hand_cost({16: {1: 1.0, 2: 1.05, 3: 1.1}})) == [2] * 16
+    # The same requests at batch 1 with nearly free verify tokens do draft.
+    assert choose_ks([[0.6, 0.3]], (1, 2), hand_cost({1: {1: 1.0, 2: 1.05, 3: 1.1}})) == [2]
+
+
+def test_a_phase_switch_moves_the_request_from_k1_to_k3() -> None:
+    cost = hand_cost({1: {1: 1.0, 2: 1.25, 3: 1.5, 4: 1.75, 5: 2.0}})
+    stats = AcceptanceStats(max_k=4, prior_weight=4.0)
+    rng = random.Random(0)
+    truth = {"reasoning": [0.3, 0.1, 0.1, 0.1], "content": [0.9, 0.85, 0.8, 0.75]}
+
+    def verify(phase: str, k: int) -> int:
+        n = 0
+        while n < k and rng.random() < truth[phase][n]:
+            n += 1
+        return n
+
+    ks = [0]
+    for _ in range(150):  # reasoning: G = 1.00, 1.04, 0.89 at K = 0, 1, 2 -> K = 1
+        ks = choose_ks([stats.rates("r", "reasoning")], (1, 2, 3, 4), cost, previous=ks)
+        stats.observe("r", "reasoning", max(ks[0], 1), verify("reasoning", max(ks[0], 1)))
+    assert ks == [1]
+    for _ in range(150):  # content: G = 1.52, 1.78, 1.87, 1.87 at K = 1..4 -> K = 3 (or 4, a tie within 0.3%)
+        ks = choose_ks([stats.rates("r", "content")], (1, 2, 3, 4), cost, previous=ks)
+        stats.observe("r", "content", max(ks[0], 1), verify("content", max(ks[0], 1)))
+    assert ks[0] in (3, 4)
+
+
+def test_only_captured_depths_and_the_request_limit_are_chosen() -> None:
+    rates = [[0.8, 0.6, 0.4, 0.2]]
+    # K = 3 is the optimum; without its graph the best is 4 (G 2.092 > 2.073 at K = 2), and 2
+    # when only 1 and 2 are captured.
+    assert choose_ks(rates, (1, 2, 4), CHEAP) == [4]
+    assert choose_ks(rates, (1, 2), CHEAP) == [2]
+    # A request that may generate only one more draft token is held to K <= 1.
+    assert choose_ks(rates, (1, 2, 3, 4), CHEAP, limits=[1]) == [1]
+    for seed in range(20):
+        rng = random.Random(seed)
+        batch = [[rng.random() for _ in range(4)] for _ in range(rng.randint(1, 4))]
+        cost = hand_cost({4: {q: 1.0 + rng.random() * (q - 1) * 0.3 for q in range(1, 6)}})
+        assert set(choose_ks(batch, (2, 4), cost)) <= {0, 2, 4}
+
+
+def test_hysteresis_keeps_the_previous_k_on_a_near_tie() -> None:
+    rates = [[0.8, 0.6, 0.4, 0.2]]
+    gain = goodput(rates, [3], CHEAP) / goodput(rates, [4], CHEAP) - 1
+    assert 0.02 < gain < 0.03  # K = 3 beats K = 4 by 2.8%
+    assert choose_ks(rates, (1, 2, 3, 4), CHEAP, previous=[4], hysteresis=0.05) == [4]  # below the bar: kept
+    assert choose_ks(rates, (1, 2, 3, 4), CHEAP, previous=[4]) == [3]  # above the default 2%: moved
+    assert choose_ks(rates, (1, 2, 3, 4), CHEAP, previous=[0]) == [3]  # a large gain always moves
+
+
+def test_the_estimate_converges_on_a_synthetic_proposer_with_known_acceptance() -> None:
+    truth = [0.9, 0.7, 0.5, 0.3]  # conditional acceptance per position
+    stats = AcceptanceStats(max_k=4)
+    rng = random.Random(1)
+    for _ in range(400):
+        n = 0
+        while n < 4 and rng.random() < truth[n]:
+            n += 1
+        stats.observe("a", "content", 4, n)
+    est = stats.rates("a", "content")
+    assert all(abs(e - t) < 0.12 for e, t in zip(est, truth)), est
+    cost = hand_cost({1: {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}})
+    assert choose_ks([est], (1, 2, 3, 4), cost, hysteresis=0.0) == choose_ks([truth], (1, 2, 3, 4), cost, hysteresis=0.0)
+    # A new request of the same phase starts from the phase prior, not from zero.
+    assert stats.rates("b", "content") == pytest.approx(stats.phase_rates("content"))
+    stats.remove("a")
+    assert stats.rates("a", "content") == pytest.approx(stats.phase_rates("content"))
+
+
+def test_step_cost_buckets_padding_hook_and_online_refinement() -> None:
+    cost = StepCost({(1, 1): 1.0, (1, 3): 1.2, (4, 1): 2.0, (4, 3): 3.0}, extra=lambda ks: 0.01 * sum(ks))
+    assert cost.seconds([2, 0, 0]) == pytest.approx(3.0 + 0.02)  # bucket 4, padded to q = 3
+    with pytest.raises(ValueError, match="no captured batch bucket holds 5"):
+        cost.seconds([0] * 5)
+    with pytest.raises(ValueError, match="query length 2"):
+        cost.seconds([1])
+    cost.observe([2], 2.2)
+    assert cost.times[(1, 3)] == pytest.approx(0.9 * 1.2 + 0.1 * 2.2)
+    with pytest.raises(ValueError, match="accepted 3 of 2"):
+        AcceptanceStats(4).observe("x", "content", 2, 3)
