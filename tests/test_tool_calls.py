@@ -221,3 +221,17 @@ def test_streamed_calls_are_whole_when_deltas_carry_several_tokens(engine, clien
     finally:
         live.stop()
         asyncio.run(spec_engine.shutdown(1.0))
+
+
+def test_completions_take_response_format_too(client) -> None:
+    """/v1/completions has no chat parsing: the whole text is the JSON (as vLLM's)."""
+    prompt = "<|im_start|>user\nWhat is 48213 + 37795?<|im_end|>\n<|im_start|>assistant\n"
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    c = client.completions.create(model="tandem-demo", prompt=prompt, max_tokens=60, temperature=0,
+                                  extra_body={"response_format": fmt}).choices[0]
+    assert c.finish_reason == "stop"
+    jsonschema.validate(json.loads(c.text), ANSWER_SCHEMA)
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.completions.create(model="tandem-demo", prompt=prompt, max_tokens=5,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "x", "schema": {"type": 3}}}})

@@ -66,6 +66,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True
+    response_format: ResponseFormat | None = None  # as vLLM: the whole completion is the JSON
 
 
 class ContentPart(_Open):

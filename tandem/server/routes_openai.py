@@ -44,7 +44,8 @@ from tandem.server.protocol import (
 )
 from tandem.server.reasoning import ReasoningParser
 from tandem.server.routes_misc import json_response, parse_model_request
-from tandem.server.structured import ToolUse, build_grammar, check_tool_schemas, tool_use
+from tandem.engine.structured import json_schema_grammar
+from tandem.server.structured import ToolUse, build_grammar, check_tool_schemas, response_format_schema, tool_use
 from tandem.server.tool_parsers import ToolParser, get_tool_parser
 
 router = APIRouter()
@@ -150,6 +151,9 @@ async def completions(request: Request) -> Response:
         req, max_tokens=req.max_tokens, logprobs=req.logprobs, defaults=engine.tokenizer.generation_defaults,
         max_logprobs=state.cfg.max_logprobs,
     )
+    schema = response_format_schema(req)
+    if schema is not None:
+        params = dataclasses.replace(params, grammar=await _checked(state, json_schema_grammar(schema), "response_format"))
     rid = new_request_id("cmpl")
     jobs = [(f"{rid}-{p}-{k}", ids, per_choice_seed(params, k)) for p, ids in enumerate(prompts) for k in range(req.n)]
     prompt_texts = [await state.decode(ids, "prompt") if req.echo else "" for ids in prompts]
@@ -226,10 +230,16 @@ async def _grammar(state: ServerState, req: ChatCompletionRequest, use: ToolUse,
     grammar, field = build_grammar(req, use, tool_class, reasoning, state.engine.tokenizer)
     if grammar is None:
         return None
+    return await _checked(state, grammar, field, use.forced)
+
+
+async def _checked(state: ServerState, grammar: str, field: str, tools: tuple = ()) -> str:
+    """`grammar`, once it compiled off the event loop (and each forced tool's schema did, to name
+    the tool); a 400 naming `field` otherwise."""
     check = state.engine.check_grammar
 
     def validate() -> str | None:
-        check_tool_schemas(use.forced, check)
+        check_tool_schemas(tools, check)
         return check(grammar)
 
     error = await asyncio.to_thread(validate)

@@ -3,7 +3,8 @@
 The engine enforces grammars (`tandem/engine/structured.py`, a Lark grammar in llguidance's
 dialect); this module writes them from the OpenAI fields and checks what OpenAI checks:
 
-- `response_format`: `json_object` is any JSON object, `json_schema` a JSON value valid against
+- `response_format` (chat, and /v1/completions where the whole text is the JSON): `json_object`
+  is any JSON object, `json_schema` a JSON value valid against
   its `schema` (enforced whether or not `strict` is set: a constrained decoder has no cheaper
   "best effort"), `text` nothing.
 - `tool_choice`: `"required"` is one or more calls (one when `parallel_tool_calls` is false) of
@@ -27,7 +28,7 @@ from typing import Any
 
 from tandem.engine.structured import json_rule
 from tandem.server import errors
-from tandem.server.protocol import ChatCompletionRequest, NamedToolChoice
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from tandem.server.reasoning import ReasoningParser
 from tandem.server.tool_parsers import ToolParser
 from tandem.tokenizer import Tokenizer
@@ -94,7 +95,7 @@ def marker_writer(tokenizer: Tokenizer) -> Callable[[str], str]:
     return marker
 
 
-def response_format_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
+def response_format_schema(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any] | None:
     """The JSON schema `response_format` asks for (json_object: any object), or None for text."""
     rf = req.response_format
     if rf is None or rf.type == "text":
