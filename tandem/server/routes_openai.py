@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from tandem.core import RequestOutput, TokenLogprobs
+from tandem.engine.structured import json_schema_grammar
 from tandem.server import errors
 from tandem.server.app import ServerState
 from tandem.server.errors import APIError
@@ -44,7 +45,6 @@ from tandem.server.protocol import (
 )
 from tandem.server.reasoning import ReasoningParser
 from tandem.server.routes_misc import json_response, parse_model_request
-from tandem.engine.structured import json_schema_grammar
 from tandem.server.structured import ToolUse, build_grammar, check_tool_schemas, response_format_schema, tool_use
 from tandem.server.tool_parsers import ToolParser, get_tool_parser
 
