@@ -163,6 +163,9 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "2"}}}],
       "tool_choice": "required"}, "tools", "tools[0].function.parameters"),
+    # The error names the tool by its index among the request's tools, also for a named function.
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools", "tools[1].function.parameters (f)"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", None),

@@ -230,17 +230,19 @@ async def _grammar(state: ServerState, req: ChatCompletionRequest, use: ToolUse,
     grammar, field = build_grammar(req, use, tool_class, reasoning, state.engine.tokenizer)
     if grammar is None:
         return None
-    return await _checked(state, grammar, field, use.forced)
+    return await _checked(state, grammar, field, use)
 
 
-async def _checked(state: ServerState, grammar: str, field: str, tools: tuple = ()) -> str:
-    """`grammar`, once it compiled off the event loop (and each forced tool's schema did, to name
-    the tool); a 400 naming `field` otherwise."""
+async def _checked(state: ServerState, grammar: str, field: str, use: ToolUse | None = None) -> str:
+    """`grammar`, once it compiled off the event loop; a 400 naming `field` otherwise (naming the
+    tool, when one tool's schema is what fails: those are compiled only then)."""
     check = state.engine.check_grammar
 
     def validate() -> str | None:
-        check_tool_schemas(tools, check)
-        return check(grammar)
+        error = check(grammar)
+        if error and use is not None:
+            check_tool_schemas(use, check)
+        return error
 
     error = await asyncio.to_thread(validate)
     if error:
@@ -271,8 +273,7 @@ async def chat_completions(request: Request) -> Response:
     if grammar is not None:
         params = dataclasses.replace(params, grammar=grammar)
     jobs = [(f"{rid}-{k}", ids, per_choice_seed(params, k)) for k in range(req.n)]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-    tool_parsers = [tool_class(tools) if use.parse and tool_class else None for _ in jobs]
+    tool_parsers = [tool_class(list(use.tools)) if use.parse and tool_class else None for _ in jobs]
     try:
         streams = await unless_disconnected(request, start_streams(engine, jobs))
         if req.stream:

@@ -38,45 +38,49 @@ _GAP = r"/[ \t\r\n]{0,8}/"  # whitespace allowed between the parts of an output
 
 @dataclass(frozen=True)
 class ToolUse:
-    """How a chat request uses its tools: rendered into the prompt, parsed out of the output, and
-    (for "required" or a named function) forced by the grammar."""
+    """How a chat request uses its tools: parsed out of the output, and (for "required" or a named
+    function) forced by the grammar. Whether the template renders them is
+    `protocol.chat_template_inputs`' rule (not with tool_choice "none")."""
 
-    render: bool  # the chat template gets the tools
-    parse: bool  # the output's calls are parsed into `tool_calls`
-    forced: tuple[dict[str, Any], ...] = ()  # the tools a call must be one of (empty: no call forced)
+    tools: tuple[dict[str, Any], ...] = ()  # the request's tools as OpenAI dicts
+    parse: bool = False  # the output's calls are parsed into `tool_calls`
+    forced: tuple[int, ...] = ()  # indices into `tools` a call must be one of (empty: no call forced)
     parallel: bool = True
+
+    def forced_tools(self) -> list[dict[str, Any]]:
+        return [self.tools[i] for i in self.forced]
 
 
 def tool_use(req: ChatCompletionRequest, parser: type[ToolParser] | None, auto_enabled: bool) -> ToolUse:
     """The request's tool use under the server's `--tool-call-parser` (`parser`) and
     `--enable-auto-tool-choice`; a combination that cannot be honoured is a 400 naming the field."""
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    tools = tuple(t.model_dump(exclude_none=True) for t in req.tools or ())
     choice = req.tool_choice
     parallel = req.parallel_tool_calls is not False
     if not tools:
         if choice == "required" or isinstance(choice, NamedToolChoice):
             raise errors.bad_request("tool_choice needs tools: the request defines none", "tool_choice")
-        return ToolUse(render=False, parse=False)
+        return ToolUse()
     if choice == "none":
-        return ToolUse(render=False, parse=False)
+        return ToolUse(tools)
     if choice is None or choice == "auto":
         if parser is not None and auto_enabled:
-            return ToolUse(render=True, parse=True, parallel=parallel)
+            return ToolUse(tools, parse=True, parallel=parallel)
         if choice == "auto":
             raise errors.bad_request('"auto" tool choice needs the server started with --enable-auto-tool-choice '
                                      "and --tool-call-parser", "tool_choice")
-        return ToolUse(render=True, parse=False)  # tools shown to the model, its text returned as it is
+        return ToolUse(tools)  # tools shown to the model, its text returned as it is
     if parser is None:
         raise errors.bad_request(f"tool_choice {_choice_name(choice)} needs the server started with "
                                  "--tool-call-parser", "tool_choice")
     if isinstance(choice, NamedToolChoice):
-        named = [t for t in tools if t["function"]["name"] == choice.function.name]
+        named = [i for i, t in enumerate(tools) if t["function"]["name"] == choice.function.name]
         if not named:
             known = ", ".join(t["function"]["name"] for t in tools)
             raise errors.bad_request(f"tool_choice names function {choice.function.name!r}, which is not among "
                                      f"the request's tools ({known})", "tool_choice")
-        return ToolUse(render=True, parse=True, forced=(named[0],), parallel=False)
-    return ToolUse(render=True, parse=True, forced=tuple(tools), parallel=parallel)
+        return ToolUse(tools, parse=True, forced=(named[0],), parallel=False)
+    return ToolUse(tools, parse=True, forced=tuple(range(len(tools))), parallel=parallel)
 
 
 def _choice_name(choice: Any) -> str:
@@ -125,14 +129,13 @@ def build_grammar(
     rules = []
     if use.forced:
         assert parser is not None
-        rules.append(f"call: {parser.call_grammar(list(use.forced), marker, json_rule)}")
+        rules.append(f"call: {parser.call_grammar(use.forced_tools(), marker, json_rule)}")
         content, field = ("call (gap call)*" if use.parallel else "call"), "tools"
     elif schema is not None:
         rules.append(f"answer: {json_rule(schema)}")
         content, field = "answer", "response_format"
         if use.parse and parser is not None:  # tool_choice auto: the JSON answer, or calls
-            tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-            rules.append(f"call: {parser.call_grammar(tools, marker, json_rule)}")
+            rules.append(f"call: {parser.call_grammar(list(use.tools), marker, json_rule)}")
             content = "answer | call (gap call)*" if use.parallel else "answer | call"
     else:
         return None, ""
@@ -143,10 +146,11 @@ def build_grammar(
     return "\n".join([f"start: {head}({content})", f"gap: {_GAP}", *rules]), field
 
 
-def check_tool_schemas(tools: tuple[dict[str, Any], ...] | list[dict[str, Any]],
-                       check: Callable[[str], str | None]) -> None:
-    """A 400 naming the first tool whose `parameters` is not a usable JSON schema."""
-    for i, tool in enumerate(tools):
+def check_tool_schemas(use: ToolUse, check: Callable[[str], str | None]) -> None:
+    """A 400 naming the first tool of the grammar (the forced ones, or with `parse` all) whose
+    `parameters` is not a usable JSON schema; nothing when they all are."""
+    for i in use.forced or (range(len(use.tools)) if use.parse else ()):
+        tool = use.tools[i]
         params = tool["function"].get("parameters")
         if params is not None:
             error = check(f"start: {json_rule(params)}")
