@@ -233,8 +233,9 @@ class StructuredOutputs:
 
     def fill(self, batch: Sequence[ScheduledRequest]) -> StepMasks | None:
         """The masks of this step's constrained requests, built on the CPU from what is known before
-        the logits (their tokens and drafts), so the engine runs this while the GPU computes them. Rows are numbered as the runner's logits: each sampling request's `num_logits`
-        rows in batch order. None when no request of the step is constrained."""
+        the logits (their tokens and drafts), so the engine runs this while the GPU computes them.
+        Rows are numbered as the runner's logits: each sampling request's `num_logits` rows in batch
+        order. None when no request of the step is constrained."""
         sampling = [s for s in batch if s.samples]
         work = [(j, s, self._matchers[s.request.request_id]) for j, s in enumerate(sampling)
                 if s.request.request_id in self._matchers]
