@@ -165,7 +165,8 @@ class SpecConfig:
 
     method None: off. `num_speculative_tokens` is Kmax, the longest draft; `adaptive` "off" drafts
     Kmax tokens for every request, "phase" drafts `phase_k[phase]` (0..Kmax; a phase not listed
-    gets Kmax) for a request in that phase (`tandem.spec.phase`). `max_k` sizes the runner's CUDA
+    gets Kmax) for a request in that phase (`tandem.spec.phase`), "auto" lets the goodput
+    controller choose 0..Kmax per request and step (`tandem.spec.auto`). `max_k` sizes the runner's CUDA
     graph query lengths (1 .. max_k + 1): Kmax when speculating, else what was asked (0: decode only).
     Build one from JSON or a dict with `SpecConfig.parse`, which checks every key.
     """
@@ -174,7 +175,7 @@ class SpecConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    adaptive: str = "off"  # off | phase
+    adaptive: str = "off"  # off | phase | auto
     phase_k: tuple[tuple[str, int], ...] = ()  # (phase, K) pairs
     model: str | None = None  # the drafter's directory (draft_model / dspark; default: the target's draft/, dspark/)
     max_k: int = 0
@@ -194,11 +195,13 @@ class SpecConfig:
         return self.num_speculative_tokens
 
     def draft_depths(self) -> tuple[int, ...]:
-        """The draft depths (> 0) the policy can choose: Kmax, and with `phase` each phase's K. A
-        block drafter captures a graph per depth; a request whose K is cut shorter (max_tokens)
-        uses the next depth up and keeps the prefix."""
+        """The draft depths (> 0) the policy can choose: Kmax, with `phase` each phase's K, with
+        `auto` every depth 1..Kmax. A block drafter captures a graph per depth; a request whose K
+        is cut shorter (max_tokens) uses the next depth up and keeps the prefix."""
         from tandem.spec.phase import PHASES
 
+        if self.adaptive == "auto":
+            return tuple(range(1, self.num_speculative_tokens + 1))
         return tuple(sorted({self.k_for(p) for p in PHASES} - {0} | {self.num_speculative_tokens}))
 
     @classmethod
@@ -234,8 +237,8 @@ class SpecConfig:
         if lo > hi:
             raise ValueError(f"--speculative-config: prompt_lookup_min ({lo}) must be at most prompt_lookup_max ({hi})")
         adaptive = value.get("adaptive", "off")
-        if adaptive not in ("off", "phase"):
-            raise ValueError(f"--speculative-config: adaptive must be 'off' or 'phase', got {adaptive!r}")
+        if adaptive not in ("off", "phase", "auto"):
+            raise ValueError(f"--speculative-config: adaptive must be 'off', 'phase' or 'auto', got {adaptive!r}")
         phase_k = value.get("phase_k", {})
         if not isinstance(phase_k, dict):
             raise ValueError(f"--speculative-config: phase_k must be an object such as "

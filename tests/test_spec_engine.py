@@ -296,7 +296,7 @@ def test_good_configs_parse():
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min (4) must be at most prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}, "prompt_lookup_max must be"),
-    ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": "auto"}, "adaptive must be 'off' or 'phase'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": "goodput"}, "adaptive must be 'off', 'phase' or 'auto'"),
     ({"method": "ngram", "num_speculative_tokens": 3, "phase_k": {"content": 1}}, 'phase_k needs "adaptive"'),
     ({"method": "ngram", "num_speculative_tokens": 3, "adaptive": "phase", "phase_k": {"answer": 1}},
      "unknown phase 'answer'"),

@@ -123,7 +123,51 @@ def test_step_cost_buckets_padding_hook_and_online_refinement() -> None:
         cost.seconds([0] * 5)
     with pytest.raises(ValueError, match="query length 2"):
         cost.seconds([1])
-    cost.observe([2], 2.2)
-    assert cost.times[(1, 3)] == pytest.approx(0.9 * 1.2 + 0.1 * 2.2)
+    # Real steps take longer than the tables (host work): the residual is learned per (bucket, q)
+    # and, for a q not seen yet, from the bucket's average.
+    cost.observe([2], 2.2)  # modelled 1.2 + 0.02: residual 0.98
+    assert cost.seconds([2]) == pytest.approx(2.2)
+    assert cost.seconds([0]) == pytest.approx(1.0 + 0.98)  # bucket 1, q = 1: the bucket's residual
+    cost.observe([2], 1.22)  # an exponential average with smoothing 0.1
+    assert cost.learned([2]) == pytest.approx(0.9 * 0.98 + 0.1 * 0.0)
+    assert cost.seconds([0, 0]) == pytest.approx(2.0)  # bucket 4 has learned nothing
+
+
+def test_step_cost_drafter_time_and_missing_buckets() -> None:
+    # Buckets 1, 2, 4, 8 captured, only 1 and 4 measured: 2 and 8 are read off the line.
+    cost = StepCost({(1, 1): 1.0, (1, 2): 1.1, (4, 1): 1.6, (4, 2): 2.0},
+                    draft={(1, 1): 0.3, (4, 1): 0.6}, buckets=(1, 2, 4, 8))
+    assert cost.seconds([0, 0]) == pytest.approx(1.2)  # bucket 2: a third of the way to 4
+    assert cost.seconds([1] * 8) == pytest.approx(2.0 + 1.2 + 0.6 + 0.4)  # bucket 8: extrapolated
+    assert cost.seconds([1, 0]) == pytest.approx(1.4 + 0.3)  # one request drafts: drafter bucket 1
+    assert cost.seconds([1, 0], include_draft=False) == pytest.approx(1.4)  # a draft being cut: spent
+    with pytest.raises(ValueError, match="drafter time at depth 2"):
+        cost.seconds([1], drafted=[2])
+
+
+def test_eager_steps_are_ragged_and_a_short_draft_saves_time() -> None:
+    # Without graphs the step packs queries: four requests at q = 1, 1, 1, 4 cost the grid at the
+    # mean q = 1.75, not at q = 4, so drafting for one request alone can pay.
+    grid = {(4, 1): 1.0, (4, 4): 2.5}
+    ragged = StepCost(grid, padded=False)
+    assert ragged.seconds([0, 0, 0, 3]) == pytest.approx(1.0 + 1.5 * 0.75 / 3)
+    assert not ragged.uniform_is_optimal and StepCost(grid).uniform_is_optimal
+    rates = [[0.95, 0.95, 0.95]] + [[0.05] * 3] * 3
+    assert choose_ks(rates, (3,), ragged) == [3, 0, 0, 0]
+    assert choose_ks(rates, (3,), StepCost(grid)) == [0, 0, 0, 0]  # padded: everyone pays q = 4
+
+
+def test_stats_decay_lets_an_estimate_follow_a_change_within_a_few_dozen_verifies() -> None:
+    stats = AcceptanceStats(max_k=1, prior_weight=1.0)
+    for _ in range(60):
+        stats.observe("a", "content", 1, 1)
+    assert stats.rates("a", "content")[0] > 0.95
+    for _ in range(40):
+        stats.observe("a", "content", 1, 0)
+    assert stats.rates("a", "content")[0] < 0.4  # the request's own counts forget (half-life ~23)
+    assert stats.phase_rates("content")[0] > 0.55  # the pooled prior forgets slowly
+
+
+def test_bad_observations_are_refused() -> None:
     with pytest.raises(ValueError, match="accepted 3 of 2"):
         AcceptanceStats(4).observe("x", "content", 2, 3)

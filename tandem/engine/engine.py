@@ -119,6 +119,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.spec.aux_layers if self.spec else ())
         self._capture_graphs()
+        if self.spec is not None and config.spec.adaptive == "auto":
+            self.spec.start_auto(self.runner, config.scheduler.max_num_seqs)
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, RequestState] = {}
         self._window = StatsWindow(time.monotonic())
@@ -340,6 +342,7 @@ class LLMEngine:
         ends every request of the step (`_fail_step`), a failure to sample only the rows that
         fail alone (`_sample`), a failure to postprocess only its request. Raises
         EngineFatalError when the engine cannot go on."""
+        started = time.perf_counter()
         try:
             drafts = self.spec.propose(self.scheduler.running) if self.spec else {}
             if self.spec is not None:
@@ -367,8 +370,19 @@ class LLMEngine:
                 except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
                     return outputs + self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
             outputs += self._postprocess(sched, results)
+            if self.spec is not None and self.spec.auto is not None:
+                self._time_step(sched, time.perf_counter() - started)
         self._update_gauges()
         return outputs
+
+    def _time_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """adaptive auto: the step's measured time refines the controller's cost model; predicted
+        and measured go to the stats line and /metrics."""
+        assert self.spec is not None
+        prediction = self.spec.observe_step(sched, seconds)
+        if prediction is not None:
+            self.metrics.count_step_time(prediction.predicted, seconds)
+            self._window.count_step_time(prediction.predicted, seconds)
 
     def _sample(self, logits: torch.Tensor, batch: list[ScheduledRequest], drafts: Mapping[str, Draft],
                 masks: StepMasks | None = None) -> list[tuple[ScheduledRequest, VerifyResult | Exception]]:
@@ -478,8 +492,9 @@ class LLMEngine:
     def _count_draft(self, req: Request, num_draft: int, num_accepted: int) -> None:
         assert self.spec is not None
         phase = self.spec.phase(req)
-        self.metrics.count_draft(phase, num_draft, num_accepted)
-        self._window.count_draft(phase, num_draft, num_accepted)
+        expected = self.spec.expected_accepted(req.request_id, num_draft)
+        self.metrics.count_draft(phase, num_draft, num_accepted, expected)
+        self._window.count_draft(phase, num_draft, num_accepted, expected)
 
     def _count_spec_step(self) -> None:
         """The K each request got this step, by phase, and the drafter's forwards (graph or eager)."""

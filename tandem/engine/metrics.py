@@ -47,14 +47,28 @@ class EngineMetrics:
                                              spec + ["position"], registry=r)
         self.spec_k = Counter("tandem:spec_decode_k", "Request-steps by chosen draft depth K and phase", spec + ["k"],
                               registry=r)
+        # adaptive "auto": what the goodput controller predicted, next to what happened.
+        self.spec_predicted_accepted = Counter(
+            "tandem:spec_decode_predicted_accepted_tokens",
+            "Draft tokens the K controller expected to be accepted (compare num_accepted_tokens).", spec, registry=r)
+        self.spec_steps_timed = Counter("tandem:spec_decode_timed_steps",
+                                        "Decode / verify steps the K controller predicted the time of.", labels,
+                                        registry=r)
+        self.spec_step_predicted = Counter("tandem:spec_decode_step_predicted_seconds",
+                                           "The K controller's predicted seconds of those steps.", labels, registry=r)
+        self.spec_step_measured = Counter("tandem:spec_decode_step_measured_seconds",
+                                          "Measured seconds of those steps.", labels, registry=r)
         self.model_name = model_name
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
         return metric.labels(model_name=self.model_name)
 
-    def count_draft(self, phase: str, num_draft: int, num_accepted: int) -> None:
-        """One verified draft of `num_draft` tokens whose first `num_accepted` were accepted."""
+    def count_draft(self, phase: str, num_draft: int, num_accepted: int, expected: float | None = None) -> None:
+        """One verified draft of `num_draft` tokens whose first `num_accepted` were accepted
+        (`expected`: the accepted tokens the K controller predicted, with adaptive auto)."""
         labels = {"model_name": self.model_name, "phase": phase}
+        if expected is not None:
+            self.spec_predicted_accepted.labels(**labels).inc(expected)
         self.spec_drafts.labels(**labels).inc()
         self.spec_draft_tokens.labels(**labels).inc(num_draft)
         self.spec_accepted_tokens.labels(**labels).inc(num_accepted)
@@ -65,6 +79,12 @@ class EngineMetrics:
         """One request-step that chose draft depth `k` (0: no draft) in `phase`."""
         self.spec_k.labels(model_name=self.model_name, phase=phase, k=str(k)).inc()
 
+    def count_step_time(self, predicted: float, measured: float) -> None:
+        """One step whose time the K controller predicted."""
+        self.label(self.spec_steps_timed).inc()
+        self.label(self.spec_step_predicted).inc(predicted)
+        self.label(self.spec_step_measured).inc(measured)
+
 
 @dataclass
 class DraftCounts:
@@ -74,11 +94,16 @@ class DraftCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [position]: drafts accepted there
+    expected_accepted: float = 0.0  # what the K controller predicted (adaptive auto)
+    num_predicted: int = 0  # drafts that had a prediction
 
-    def add(self, num_draft: int, num_accepted: int) -> None:
+    def add(self, num_draft: int, num_accepted: int, expected: float | None = None) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
+        if expected is not None:
+            self.expected_accepted += expected
+            self.num_predicted += 1
         if len(self.accepted_per_pos) < num_draft:
             self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
         for pos in range(num_accepted):
@@ -88,6 +113,8 @@ class DraftCounts:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.expected_accepted += other.expected_accepted
+        self.num_predicted += other.num_predicted
         if len(self.accepted_per_pos) < len(other.accepted_per_pos):
             self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
         for pos, a in enumerate(other.accepted_per_pos):
@@ -120,10 +147,19 @@ class StatsWindow:
     generation_tokens: int = 0
     drafts: dict[str, DraftCounts] = field(default_factory=dict)  # {phase: its verified drafts}
     ks: dict[str, collections.Counter[int]] = field(default_factory=dict)  # {phase: {K: request-steps that chose it}}
+    timed_steps: int = 0  # steps the K controller predicted the time of (adaptive auto)
+    predicted_seconds: float = 0.0
+    measured_seconds: float = 0.0
 
-    def count_draft(self, phase: str, num_draft: int, num_accepted: int) -> None:
-        """One verified draft of `num_draft` tokens, in `phase`, whose first `num_accepted` were accepted."""
-        self.drafts.setdefault(phase, DraftCounts()).add(num_draft, num_accepted)
+    def count_draft(self, phase: str, num_draft: int, num_accepted: int, expected: float | None = None) -> None:
+        """One verified draft of `num_draft` tokens, in `phase`, whose first `num_accepted` were
+        accepted (`expected`: what the K controller predicted)."""
+        self.drafts.setdefault(phase, DraftCounts()).add(num_draft, num_accepted, expected)
+
+    def count_step_time(self, predicted: float, measured: float) -> None:
+        self.timed_steps += 1
+        self.predicted_seconds += predicted
+        self.measured_seconds += measured
 
     def count_k(self, phase: str, k: int) -> None:
         """One request-step's chosen draft depth `k` in `phase` (0: no draft). The draft verified
@@ -161,6 +197,10 @@ class StatsWindow:
         parts += [self._phase_part(phase, c) for phase, c in sorted(self.drafts.items())]
         if self.ks:
             parts.append("K: " + ", ".join(f"{phase} {_shares(ks)}" for phase, ks in sorted(self.ks.items())))
+        if self.timed_steps:
+            n = self.timed_steps
+            parts.append(f"step ms predicted {1e3 * self.predicted_seconds / n:.2f} / measured "
+                         f"{1e3 * self.measured_seconds / n:.2f} over {n} steps")
         return "; SpecDecoding metrics: " + "; ".join(parts)
 
     @staticmethod
@@ -179,7 +219,8 @@ class StatsWindow:
             f"[{phase}] mean acceptance length {c.mean_acceptance_length:.2f}, "
             f"accepted {c.num_accepted_tokens}/{c.num_draft_tokens} "
             f"({c.acceptance_pct:.1f}%), per-position {c.per_pos}"
-        )
+        ) + (f", predicted accepted {c.expected_accepted / c.num_predicted:.2f} / realised "
+             f"{c.num_accepted_tokens / c.num_drafts:.2f} per draft" if c.num_predicted else "")
 
 
 def _shares(ks: collections.Counter[int]) -> str:

@@ -211,21 +211,9 @@ class ModelRunner:
         """Capture a graph for every (batch bucket, query length) of every family (a name for the
         log, e.g. "decode": (1,), "verify": (2, 3)). Logs each family's shapes and progress."""
         self.buckets = batch_buckets(max_num_seqs)
-        max_b = self.buckets[-1]
         max_q = max(q for lens in families.values() for q in lens)
-        n_groups = len(self.kv.groups)
-        max_blocks = -(-max_model_len // self.block_size) + 1
+        self._allocate_static(self.buckets[-1], max_q, -(-max_model_len // self.block_size) + 1)
         dev = self.device
-        # Static inputs every graph reads; replay copies the step's values into their prefixes.
-        self._ids = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
-        self._pos = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
-        self._qsl = torch.zeros(max_b + 1, dtype=torch.int32, device=dev)
-        self._seq = torch.ones(max_b, dtype=torch.int32, device=dev)
-        self._tables = [torch.full((max_b, max_blocks), self.sink_block, dtype=torch.int32, device=dev)
-                        for _ in range(n_groups)]
-        self._slots = [torch.full((max_b * max_q,), self.sink_block * self.block_size, dtype=torch.int64, device=dev)
-                       for _ in range(n_groups)]
-        self._all_rows = torch.arange(max_b * max_q, dtype=torch.int64, device=dev)
         pool = torch.cuda.graph_pool_handle()
         start, total = time.perf_counter(), 0
         with torch.inference_mode():
@@ -240,6 +228,53 @@ class ModelRunner:
                 total += len(shapes)
         torch.cuda.synchronize(dev)
         logger.info("Captured %d CUDA graphs in %.1f s", total, time.perf_counter() - start)
+
+    def _allocate_static(self, max_b: int, max_q: int, max_blocks: int) -> None:
+        """The static inputs every graph reads (replay copies the step's values into their
+        prefixes), also what `measure` runs eager forwards on; block tables and slots all point at
+        the sink block."""
+        n_groups, dev = len(self.kv.groups), self.device
+        self._ids = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
+        self._pos = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
+        self._qsl = torch.zeros(max_b + 1, dtype=torch.int32, device=dev)
+        self._seq = torch.ones(max_b, dtype=torch.int32, device=dev)
+        self._tables = [torch.full((max_b, max_blocks), self.sink_block, dtype=torch.int32, device=dev)
+                        for _ in range(n_groups)]
+        self._slots = [torch.full((max_b * max_q,), self.sink_block * self.block_size, dtype=torch.int64, device=dev)
+                       for _ in range(n_groups)]
+        self._all_rows = torch.arange(max_b * max_q, dtype=torch.int64, device=dev)
+
+    @torch.inference_mode()
+    def measure(self, shapes: list[tuple[int, int]], repeats: int = 5) -> dict[tuple[int, int], float]:
+        """Seconds of one forward (logits included) per (batch, query length) shape, on inputs
+        that all point at the sink block: a captured graph's replay where there is one, else an
+        eager forward (after one untimed run). What the K controller's cost model starts from."""
+        if not shapes:
+            return {}
+        max_b, max_q = max(b for b, _ in shapes), max(q for _, q in shapes)
+        if not self.graphs:
+            self._allocate_static(max_b, max_q, 2)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device=None: None)
+        times = {}
+        for b, q in shapes:
+            self._fill_static_pattern(b, q)
+            self._seq[:b].fill_(q)  # the query's own positions: causal attention over q tokens
+            if (b, q) in self.graphs:
+                run = self.graphs[(b, q)].graph.replay
+            else:
+                step, ids, pos = self._static_step(b, q), self._ids[: b * q], self._pos[: b * q]
+
+                def run() -> None:
+                    self.model.compute_logits(self._forward(ids, pos, step)[0])
+
+                run()
+            sync(self.device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            sync(self.device)
+            times[(b, q)] = (time.perf_counter() - start) / repeats
+        return times
 
     def _capture_one(self, b: int, q: int, pool: tuple[int, int]) -> _Graph:
         self._fill_static_pattern(b, q)

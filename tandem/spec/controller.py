@@ -2,11 +2,15 @@
 draft (the proposer), and the phase each request is in.
 
 `SpecDecoder.propose(requests)` is called once per step, before scheduling, for the running
-requests whose prompt is computed; it returns the drafts the scheduler is to verify. The K policy
-is `choose_k`: `adaptive: off` gives every request Kmax, `phase` gives `phase_k[phase]` from the
-request's `PhaseTracker`. Either way K is cut to what the request may still generate, so no draft
-reaches past max_tokens or the context. (The goodput controller of the next issue replaces
-`choose_k`; the proposer and the engine stay as they are.)
+requests whose prompt is computed; it returns the drafts the scheduler is to verify. The K policy:
+`adaptive: off` gives every request Kmax, `phase` gives `phase_k[phase]` from the request's
+`PhaseTracker` (`choose_k`), `auto` asks the goodput controller (`tandem.spec.auto.AutoK`, built
+by `start_auto` from step costs measured at start-up), which also cuts a drafted block where the
+drafter's calibrated confidence falls. Either way K is cut to what the request may still
+generate, so no draft reaches past max_tokens or the context.
+
+After the step, `observe` tells the proposer what was kept and the controller what each draft
+got; `observe_step` gives the controller the step's measured time.
 
 Phase trackers are fed the tokens a request kept, lazily: each call catches a tracker up with the
 request's output tokens since the last call. Draft tokens are never part of a request's tokens
@@ -26,8 +30,11 @@ import torch
 
 from tandem.config import SpecConfig
 from tandem.core import Request
+from tandem.engine.runner import ModelRunner, batch_buckets
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.models.base import CausalLM
+from tandem.spec.auto import AutoK, StepPrediction
+from tandem.spec.goodput import StepCost
 from tandem.spec.ngram import NgramProposer
 from tandem.spec.proposer import Draft, Proposer
 from tandem.spec.phase import CONTENT, Phase, PhaseMarkers, PhaseTracker
@@ -36,6 +43,9 @@ from tandem.tokenizer import Tokenizer
 logger = logging.getLogger("tandem")
 
 K_LOG_INTERVAL_S = 1.0  # rate limit of the INFO line on a request's K change
+# Without graphs (eager steps) start-up measures batches up to this size; larger ones are
+# extrapolated, then learned from real steps (an eager forward of a large batch is slow to time).
+EAGER_MEASURE_MAX_BATCH = 8
 
 
 def drafter_dir(config: SpecConfig, target_dir: str, default: str) -> Path:
@@ -90,6 +100,8 @@ class SpecDecoder:
         self._unlogged_k_changes = 0
         self.drafter_forwards: dict[str, int] = {}  # by mode, since the last take_drafter_forwards
         self.chosen_k: list[tuple[Phase, int]] = []  # (phase, K) of each request the last propose saw
+        self.auto: AutoK | None = None  # adaptive auto: built by start_auto
+        self._drafted: dict[str, int] = {}  # the depth each request was drafted at by the last propose
 
     @classmethod
     def create(cls, config: SpecConfig, tokenizer: Tokenizer, max_model_len: int, target: CausalLM,
@@ -176,27 +188,77 @@ class SpecDecoder:
         tracked = self._tracked.get(req.request_id)
         return tracked.tracker.phase if tracked else CONTENT
 
+    def start_auto(self, runner: ModelRunner, max_num_seqs: int) -> None:
+        """adaptive auto: measure the target's steps per (batch bucket, q = 1 + K) and the drafter's
+        per (bucket, depth) — graph replays when captured, else eager forwards — log the table,
+        and build the controller. Call after graphs are captured."""
+        depths = self.config.draft_depths()
+        padded = bool(runner.graphs)
+        buckets = runner.buckets if padded else batch_buckets(max_num_seqs)
+        timed = buckets if padded else tuple(b for b in buckets if b <= EAGER_MEASURE_MAX_BATCH)
+        start = time.perf_counter()
+        verify = runner.measure([(b, 1 + k) for b in timed for k in (0, *depths)])
+        measure_draft = getattr(self.proposer, "measure", None)
+        draft = measure_draft(timed, depths) if measure_draft is not None else {}
+        cost = StepCost(verify, draft, padded=padded, buckets=buckets)
+        how = "graph replays" if padded else f"eager forwards up to batch {timed[-1]}, larger extrapolated"
+        logger.info("adaptive auto: step costs measured in %.1f s (%s; ms, refined online from real steps):\n%s",
+                    time.perf_counter() - start, how, cost.table())
+        self.auto = AutoK(self.config.num_speculative_tokens, depths, cost)
+
     def choose_k(self, req: Request) -> int:
-        """The draft depth for the request's next step: the policy's K, cut so that the draft and
-        the token after it stay within max_tokens and the context length."""
-        k = self.config.k_for(self._track(req).tracker.phase)
-        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-        return max(0, min(k, room))
+        """The draft depth of the `off` / `phase` policy for the request's next step, cut so that
+        the draft and the token after it stay within max_tokens and the context length."""
+        return max(0, min(self.config.k_for(self._track(req).tracker.phase), self._room(req)))
+
+    def _room(self, req: Request) -> int:
+        """Draft tokens the request may still take: the draft and the token after it must fit."""
+        return max(0, min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1)
 
     def propose(self, requests: Sequence[Request]) -> dict[str, Draft]:
         """Drafts for requests past their prefill (request id -> 1..K tokens); a request with K = 0
         or nothing proposed gets none and decodes one token as without speculation."""
         reqs = [r for r in requests if r.num_computed_tokens == r.num_tokens - 1]
-        ks = [self.choose_k(r) for r in reqs]
+        tracked = [self._track(r) for r in reqs]
+        phases = [t.tracker.phase for t in tracked]
+        ids = [r.request_id for r in reqs]
+        if self.auto is not None:
+            ks = self.auto.choose(ids, phases, [self._room(r) for r in reqs])
+        else:
+            ks = [self.choose_k(r) for r in reqs]
+        drafts = self.proposer.propose(reqs, ks) if any(ks) else [Draft([]) for _ in reqs]
+        self._drafted = dict(zip(ids, ks))
+        if self.auto is not None:
+            drafts = self._refine(ids, drafts)
         self.chosen_k = []
-        for req, k in zip(reqs, ks):
-            tracked = self._tracked[req.request_id]
-            if k != tracked.k and tracked.k is not None:
-                self._log_k_change(req.request_id, tracked.k, k, tracked.tracker.phase)
-            tracked.k = k
-            self.chosen_k.append((tracked.tracker.phase, k))
-        drafts = self.proposer.propose(reqs, ks) if any(ks) else []
-        return {r.request_id: d for r, d in zip(reqs, drafts) if d.tokens}
+        for tr, rid, phase, k, d in zip(tracked, ids, phases, ks, drafts):
+            k = min(k, len(d.tokens)) if d.confidence is not None else k  # a confidence cut is the choice
+            if k != tr.k and tr.k is not None:
+                self._log_k_change(rid, tr.k, k, phase)
+            tr.k = k
+            self.chosen_k.append((phase, k))
+        return {rid: d for rid, d in zip(ids, drafts) if d.tokens}
+
+    def _refine(self, ids: Sequence[str], drafts: Sequence[Draft]) -> list[Draft]:
+        """auto: cut drafts that carry the drafter's confidence where it says the rest does not pay
+        (all confidences read in one device-to-host copy)."""
+        with_conf = [i for i, d in enumerate(drafts) if d.confidence is not None and d.tokens]
+        if not with_conf:
+            return list(drafts)
+        assert self.auto is not None
+        flat = torch.cat([drafts[i].confidence[: len(drafts[i].tokens)] for i in with_conf]).tolist()
+        confidences: list[list[float] | None] = [None] * len(drafts)
+        at = 0
+        for i in with_conf:
+            n = len(drafts[i].tokens)
+            confidences[i], at = flat[at : at + n], at + n
+        cuts = self.auto.refine(ids, [len(d.tokens) for d in drafts], confidences)
+        return [d.cut(k) if k < len(d.tokens) else d for d, k in zip(drafts, cuts)]
+
+    def expected_accepted(self, request_id: str, num_draft: int) -> float | None:
+        """auto: the accepted tokens the controller expected of the request's draft (cut to
+        num_draft); None under the other policies."""
+        return None if self.auto is None else self.auto.expected(request_id, num_draft)
 
     def observe(self, sched: SchedulerOutput, accepted: Mapping[str, int], aux: torch.Tensor | None) -> None:
         """After the step's verification: tell the proposer what each request kept (its query
@@ -204,8 +266,24 @@ class SpecDecoder:
         kept = [s.num_tokens - len(s.draft) + min(accepted.get(s.request.request_id, 0), len(s.draft))
                 for s in sched.scheduled]
         self.proposer.observe(sched.scheduled, kept, aux)
+        if self.auto is not None:
+            for s in sched.scheduled:
+                if s.draft:
+                    self.auto.observe(s.request.request_id, len(s.draft), accepted.get(s.request.request_id, 0))
         for req in sched.preempted:
             self.remove(req.request_id)
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> StepPrediction | None:
+        """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies
+        only refines the cost model and returns its prediction; one with prefill work (its cost is
+        not the model's) returns None."""
+        if self.auto is None or not sched.scheduled:
+            return None
+        if any(s.num_tokens != 1 + len(s.draft) or not s.samples for s in sched.scheduled):
+            return None
+        ks = [len(s.draft) for s in sched.scheduled]
+        drafted = [self._drafted.get(s.request.request_id, 0) for s in sched.scheduled]
+        return self.auto.observe_step(ks, drafted, seconds)
 
     def _log_k_change(self, request_id: str, old: int, new: int, phase: Phase) -> None:
         """An INFO line when a request's K changes, at most one per K_LOG_INTERVAL_S (the next line
@@ -223,6 +301,8 @@ class SpecDecoder:
         """Forget a finished or aborted request."""
         self._tracked.pop(request_id, None)
         self.proposer.remove(request_id)
+        if self.auto is not None:
+            self.auto.remove(request_id)
 
     def _track(self, req: Request) -> _Tracked:
         tracked = self._tracked.get(req.request_id)

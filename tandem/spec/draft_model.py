@@ -99,6 +99,14 @@ class DraftModelProposer:
         assert self.runner is not None, "allocate() first"
         self.runner.capture(max_num_seqs, {"drafter": (1, 2)}, max_model_len)
 
+    def measure(self, buckets: Sequence[int], depths: Sequence[int], repeats: int = 5) -> dict[tuple[int, int], float]:
+        """Seconds of drafting `depth` tokens per (batch, depth), from the drafter runner's
+        forwards (`ModelRunner.measure`): a first step of two query tokens per request (the
+        correction and the last accepted draft), then depth - 1 steps of one."""
+        assert self.runner is not None, "allocate() first"
+        one = self.runner.measure([(b, q) for b in buckets for q in (1, 2)], repeats)
+        return {(b, d): one[(b, 2)] + (d - 1) * one[(b, 1)] for b in buckets for d in depths}
+
     # -- the proposer interface ---------------------------------------------------------------
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         if len(requests) != len(ks):

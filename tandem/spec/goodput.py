@@ -16,30 +16,37 @@ G(ks) = sum_r (1 + E_r(K_r)) / T(ks), over the depths that have a captured graph
   text changes character (a phase's second half is not its first), while 24 verifies of 1-4
   positions are enough evidence to move off the prior. The prior's pseudo-counts (`PRIOR_WEIGHT`)
   make a new request start from its phase's statistics, not from zero.
-- Cost: `StepCost` is a table of measured step times by (batch bucket, query length); a batch
-  that mixes depths runs padded to its longest (the runner's graphs are keyed that way), so the
-  cost depends on the largest K in the batch. A hook (`extra`) adds what the table cannot know
-  (with experts on the CPU: the distinct experts a step's tokens route to).
-- Search: coordinate ascent from the best of the previous step's ks and every uniform depth
-  (each request's K moved to every allowed depth in turn, improvements kept, until none improves
-  G; the uniform starts matter because a padded step makes a lone drafter pay for the batch),
-  then hysteresis: the new ks replace the previous ones only if G improves by more than
-  `HYSTERESIS`, so K does not flap on noise.
-  K = 0 wins when drafting costs more time than it saves tokens (e.g. at high concurrency, where
-  a verify token is no longer nearly free).
+- Cost (`StepCost`): measured target step times by (batch bucket, query length) and drafter
+  times by (bucket, depth), plus what real steps add on top (host work), learned online. With
+  CUDA graphs a batch that mixes depths runs padded to its longest, so the cost depends on the
+  largest K in the batch; eager steps are ragged and cost by their total tokens. A hook (`extra`)
+  adds what the tables cannot know (with experts on the CPU: the distinct experts a step's tokens
+  route to).
+- Search (`choose_ks`): every uniform depth (each request at min(depth, its limit)); under a
+  padded cost that is the optimum (a request drafting less saves nothing: it is padded), else
+  coordinate ascent from the best (each request's K moved to every allowed depth in turn,
+  improvements kept, until none improves G). Then hysteresis: the new ks replace the previous
+  ones only if G improves by more than `HYSTERESIS`, so K does not flap on noise. K = 0 wins when
+  drafting costs more time than it saves tokens (e.g. at high concurrency, where a verify token
+  is no longer nearly free).
 
-This module is pure (no engine, no tensors). Not wired yet: `SpecDecoder.choose_k` still serves
-`off` and `phase`; `auto` needs it fed with each verify's (K, accepted) per request and phase, the
-table measured from the captured graphs at start-up, and the realised step times.
+This module is pure (no engine, no tensors); `tandem.spec.auto` holds the per-request state that
+feeds it, and `SpecDecoder` wires that into the engine.
 """
 
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
 
-DECAY = 0.97  # per verify: a half-life of log(0.5) / log(0.97) ~ 23 verifies
+DECAY = 0.97  # per verify of the request: a half-life of log(0.5) / log(0.97) ~ 23 verifies
+# Per verify of any request of the phase: the prior pools every request (16 a step at concurrency
+# 16), so it forgets by verifies, not steps: a half-life of ~700 verifies.
+PHASE_DECAY = 0.999
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the phase prior in each request's estimate
 HYSTERESIS = 0.02  # relative goodput gain needed to change the batch's ks
 DEFAULT_ACCEPT = 0.5  # a phase nothing has been seen of yet
@@ -74,9 +81,11 @@ class _Counts:
 class AcceptanceStats:
     """Per-position conditional acceptance, per request and per phase (see the module docstring)."""
 
-    def __init__(self, max_k: int, decay: float = DECAY, prior_weight: float = PRIOR_WEIGHT) -> None:
+    def __init__(self, max_k: int, decay: float = DECAY, prior_weight: float = PRIOR_WEIGHT,
+                 phase_decay: float = PHASE_DECAY) -> None:
         self.max_k = max_k
         self.decay = decay
+        self.phase_decay = phase_decay
         self.prior_weight = prior_weight
         self._phase: dict[str, _Counts] = {}
         self._request: dict[tuple[str, str], _Counts] = {}
@@ -86,7 +95,7 @@ class AcceptanceStats:
             return
         if not 0 <= num_accepted <= num_draft:
             raise ValueError(f"accepted {num_accepted} of {num_draft} drafts")
-        self._phase.setdefault(phase, _Counts()).add(num_draft, num_accepted, self.decay)
+        self._phase.setdefault(phase, _Counts()).add(num_draft, num_accepted, self.phase_decay)
         self._request.setdefault((request_id, phase), _Counts()).add(num_draft, num_accepted, self.decay)
 
     def remove(self, request_id: str) -> None:
@@ -106,6 +115,13 @@ class AcceptanceStats:
             rates.append(counts.rate(i, prior, 1.0))
         return rates
 
+    def phase_tries(self, phase: str, position: int) -> float:
+        """The decayed number of verifies of this phase that tried draft position `position`
+        (1-based): how much evidence its rate rests on."""
+        counts = self._phase.get(phase)
+        i = position - 1
+        return counts.tried[i] if counts is not None and i < len(counts.tried) else 0.0
+
     def rates(self, request_id: str, phase: str) -> list[float]:
         """a_1 .. a_Kmax for one request in its phase: its own counts shrunk to the phase prior."""
         prior = self.phase_rates(phase)
@@ -124,39 +140,125 @@ def expected_accepted(rates: Sequence[float], k: int) -> float:
     return total
 
 
+def _interp(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through `points` (x, t) at x; beyond the ends, the nearest segment's line
+    (one point: its value). Used where a table has no entry: a batch bucket not measured, a token
+    count between measured shapes."""
+    pts = sorted(points)
+    if len(pts) == 1:
+        return pts[0][1]
+    i = min(max(bisect.bisect_left([p[0] for p in pts], x), 1), len(pts) - 1)
+    (x0, t0), (x1, t1) = pts[i - 1], pts[i]
+    return t0 + (t1 - t0) * (x - x0) / (x1 - x0) if x1 != x0 else t1
+
+
 @dataclass
 class StepCost:
-    """Predicted seconds of one step, from measured times by (batch bucket, query length q = 1 + K)
-    of the verify step and the drafter (`times`; the table's buckets and depths are what was
-    captured). A batch runs at the smallest bucket holding it and the longest q in it (mixed depths
-    are padded). `extra(ks)` adds what the table cannot know (CPU experts: the distinct experts of
-    a step's tokens). `observe` refines an entry online with the measured time of a real step."""
+    """Predicted seconds of one step for per-request draft depths ks.
 
-    times: dict[tuple[int, int], float]
+    verify: measured target step times by (batch bucket, query length q = 1 + K), from the runner's
+        graphs or eager forwards at start-up (`ModelRunner.measure`).
+    draft: measured drafter times by (bucket of the requests drafting, depth); empty for a drafter
+        that costs only host time (n-gram lookup).
+    padded: True when steps replay CUDA graphs: a batch runs at the smallest bucket holding it and
+        the longest q in it (the runner pads mixed depths), so only max(ks) matters. False for
+        eager steps, which pack ragged queries: the cost is read off the measured (batch, q) grid
+        at the batch size and the mean query length (interpolated, extrapolated past its edges).
+    extra(ks): what the tables cannot know (CPU experts: the distinct experts a step's tokens
+        route to), added to every prediction.
+
+    What the tables miss in a real step — host work (scheduling, sampling, detokenizing), longer
+    contexts than the measuring shapes, a drafter's per-forward Python — is learned online:
+    `observe` keeps an exponential average (`smoothing`) of measured minus modelled seconds per
+    (bucket, q), falling back to the bucket's average for a q not seen yet.
+    """
+
+    verify: dict[tuple[int, int], float]
+    draft: dict[tuple[int, int], float] = field(default_factory=dict)
+    padded: bool = True
+    buckets: tuple[int, ...] = ()
     extra: Callable[[Sequence[int]], float] | None = None
     smoothing: float = 0.1
 
     def __post_init__(self) -> None:
-        if not self.times:
+        if not self.verify:
             raise ValueError("StepCost needs at least one measured (bucket, q) time")
-        self._buckets = sorted({b for b, _ in self.times})
+        if not self.buckets:
+            self.buckets = tuple(sorted({b for b, _ in self.verify}))
+        self._by_q: dict[int, list[tuple[float, float]]] = {}
+        for (b, q), t in self.verify.items():
+            self._by_q.setdefault(q, []).append((b, t))
+        self._draft_by_depth: dict[int, list[tuple[float, float]]] = {}
+        for (b, d), t in self.draft.items():
+            self._draft_by_depth.setdefault(d, []).append((b, t))
+        self.residual: dict[tuple[int, int], float] = {}  # (bucket, q) -> learned seconds
+        self._bucket_residual: dict[int, float] = {}
+
+    @property
+    def uniform_is_optimal(self) -> bool:
+        """Whether every request drafting the batch's depth (within its limit) is optimal: a padded
+        step charges the longest query to everyone, so a shorter K saves nothing."""
+        return self.padded and self.extra is None
 
     def bucket(self, batch: int) -> int:
-        i = bisect.bisect_left(self._buckets, batch)
-        if i == len(self._buckets):
-            raise ValueError(f"no captured batch bucket holds {batch} requests (largest {self._buckets[-1]})")
-        return self._buckets[i]
+        i = bisect.bisect_left(self.buckets, batch)
+        if i == len(self.buckets):
+            raise ValueError(f"no captured batch bucket holds {batch} requests (largest {self.buckets[-1]})")
+        return self.buckets[i]
 
-    def seconds(self, ks: Sequence[int]) -> float:
-        key = (self.bucket(len(ks)), 1 + max(ks, default=0))
-        if key not in self.times:
-            raise ValueError(f"no measured step time for batch bucket {key[0]} at query length {key[1]}")
-        return self.times[key] + (self.extra(ks) if self.extra else 0.0)
+    def modelled(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
+        """The tables' seconds for a step verifying ks, the drafter having run for `drafted` (its
+        requests' depths; default ks), without the learned residual."""
+        n, q = len(ks), 1 + max(ks, default=0)
+        if self.padded:
+            points = self._by_q.get(q)
+            if points is None:
+                raise ValueError(f"no measured step time at query length {q} (measured {sorted(self._by_q)})")
+            t = self.verify.get((self.bucket(n), q))
+            t = _interp(points, self.bucket(n)) if t is None else t
+        else:  # ragged: the measured grid at (n, the mean query length), bilinear
+            t = _interp([(qq, _interp(self._by_q[qq], n)) for qq in self._by_q], 1 + sum(ks) / max(n, 1))
+        drafted = ks if drafted is None else drafted
+        if include_draft and self._draft_by_depth and any(drafted):
+            depth, count = max(drafted), sum(1 for k in drafted if k > 0)
+            points = self._draft_by_depth.get(depth)
+            if points is None:
+                raise ValueError(f"no measured drafter time at depth {depth} (measured {sorted(self._draft_by_depth)})")
+            t += _interp(points, self.bucket(count) if self.padded else count)
+        return t + (self.extra(ks) if self.extra else 0.0)
 
-    def observe(self, ks: Sequence[int], seconds: float) -> None:
+    def learned(self, ks: Sequence[int]) -> float:
         key = (self.bucket(len(ks)), 1 + max(ks, default=0))
-        old = self.times.get(key, seconds)
-        self.times[key] = (1 - self.smoothing) * old + self.smoothing * seconds
+        if key in self.residual:
+            return self.residual[key]
+        return self._bucket_residual.get(key[0], 0.0)
+
+    def seconds(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
+        """Predicted seconds of the step (see `modelled`), with what was learned online."""
+        return self.modelled(ks, drafted, include_draft) + self.learned(ks)
+
+    def observe(self, ks: Sequence[int], seconds: float, drafted: Sequence[int] | None = None) -> None:
+        """A real step verifying ks (drafted at `drafted`) took `seconds`: refine the residual."""
+        err = seconds - self.modelled(ks, drafted)
+        key = (self.bucket(len(ks)), 1 + max(ks, default=0))
+        a = self.smoothing
+        self._bucket_residual[key[0]] = (1 - a) * self._bucket_residual.get(key[0], err) + a * err
+        self.residual[key] = (1 - a) * self.residual.get(key, err) + a * err
+
+    def table(self) -> str:
+        """The measured verify (and drafter) times in ms, one line per bucket: for the start-up log."""
+        qs = sorted(self._by_q)
+        lines = ["batch " + " ".join(f"{'q=' + str(q):>8}" for q in qs)]
+        for b in sorted({b for b, _ in self.verify}):
+            lines.append(f"{b:>5} " + " ".join(f"{self.verify[(b, q)] * 1e3:8.3f}" if (b, q) in self.verify
+                                               else f"{'-':>8}" for q in qs))
+        if self.draft:
+            depths = sorted(self._draft_by_depth)
+            lines.append("drafter " + " ".join(f"{'d=' + str(d):>8}" for d in depths))
+            for b in sorted({b for b, _ in self.draft}):
+                lines.append(f"{b:>7} " + " ".join(f"{self.draft[(b, d)] * 1e3:8.3f}" if (b, d) in self.draft
+                                                   else f"{'-':>8}" for d in depths))
+        return "\n".join(lines)
 
 
 def goodput(rates: Sequence[Sequence[float]], ks: Sequence[int], cost: StepCost) -> float:
@@ -172,28 +274,39 @@ def choose_ks(
     previous: Sequence[int] | None = None,
     limits: Sequence[int] | None = None,
     hysteresis: float = HYSTERESIS,
+    drafted: Sequence[int] | None = None,
 ) -> list[int]:
     """The ks (one per request) maximising `goodput`, each from `depths` (0 and the captured
-    depths) and at most the request's limit (what it may still generate). Coordinate ascent from
-    `previous` (or all 0); the result replaces `previous` only when it is better by more than
-    `hysteresis` (relative)."""
+    depths) and at most the request's limit (what it may still generate, or the length of the
+    draft it has). Candidates: every uniform depth (each request at min(depth, its limit)), then,
+    when the cost is not padded (`StepCost.uniform_is_optimal`), coordinate ascent from the best.
+    The result replaces `previous` only when it is better by more than `hysteresis` (relative).
+
+    `drafted`: the drafter already ran at these depths this step (a draft being cut after its
+    confidence was read): its time is spent, so only the verify is charged."""
     n = len(rates)
     allowed = sorted({0, *depths})
     caps = list(limits) if limits is not None else [allowed[-1]] * n
+    # expected[r][k] = E_r(k) for every k up to the deepest allowed depth.
+    expected = [list(accumulate(accumulate(r[: allowed[-1]], operator.mul), initial=0.0)) for r in rates]
+    spent = drafted is not None
+
+    def g(ks: Sequence[int]) -> float:
+        tokens = n + sum(expected[r][k] for r, k in enumerate(ks))
+        return tokens / cost.seconds(ks, drafted, include_draft=not spent)
 
     def fit(k: int, cap: int) -> int:  # the largest allowed depth <= min(k, cap)
         return max(d for d in allowed if d <= min(k, cap))
 
-    start = [fit(k, c) for k, c in zip(previous, caps)] if previous is not None and len(previous) == n else [0] * n
-    ks, best = list(start), goodput(rates, start, cost)
-    # Moving one request at a time cannot leave all-0 where the padded step makes one drafter pay
-    # for everyone: every uniform depth is a starting point too.
+    have_previous = previous is not None and len(previous) == n
+    start = [fit(k, c) for k, c in zip(previous, caps)] if have_previous else [0] * n
+    ks, best = list(start), g(start)
     for d in allowed:
         uniform = [fit(d, c) for c in caps]
-        g = goodput(rates, uniform, cost)
-        if g > best * (1 + 1e-9):
-            ks, best = uniform, g
-    improved = True
+        gu = g(uniform)
+        if gu > best * (1 + 1e-9):
+            ks, best = uniform, gu
+    improved = not cost.uniform_is_optimal
     while improved:
         improved = False
         for r in range(n):
@@ -201,14 +314,14 @@ def choose_ks(
                 if d > caps[r] or d == ks[r]:
                     continue
                 trial = ks[:r] + [d] + ks[r + 1 :]
-                g = goodput(rates, trial, cost)
-                if g > best * (1 + 1e-9):
-                    ks, best, improved = trial, g, True
-    if previous is not None and len(previous) == n and best <= goodput(rates, start, cost) * (1 + hysteresis):
+                gt = g(trial)
+                if gt > best * (1 + 1e-9):
+                    ks, best, improved = trial, gt, True
+    if have_previous and best <= g(start) * (1 + hysteresis):
         return start
     return ks
 
 
-def hand_cost(per_q: Mapping[int, Mapping[int, float]]) -> StepCost:
-    """A StepCost from {bucket: {q: seconds}} (tests, replayed traces)."""
-    return StepCost({(b, q): t for b, row in per_q.items() for q, t in row.items()})
+def hand_cost(per_q: Mapping[int, Mapping[int, float]], **kwargs: Any) -> StepCost:
+    """A padded StepCost from {bucket: {q: seconds}} (tests, replayed traces)."""
+    return StepCost({(b, q): t for b, row in per_q.items() for q, t in row.items()}, **kwargs)

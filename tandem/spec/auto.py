@@ -1,0 +1,167 @@
+"""`adaptive: "auto"`: the goodput controller's state across steps (`AutoK`), feeding the pure
+search of `tandem.spec.goodput` with what each request's verifies showed.
+
+One step, as `SpecDecoder` drives it:
+
+1. `choose(ids, phases, limits)`: each request's K from its acceptance estimate (per position, per
+   request and phase, shrunk to the phase prior) and the step cost; the drafter then drafts to
+   the batch's deepest K.
+2. `refine(ids, confidences)`, for a drafter with a confidence head (DSpark): the drafts are cut
+   where the drafter's own confidence, calibrated online against what verifies accepted, says the
+   remaining tokens do not pay for their verify (the drafter's time is spent by then, so only the
+   verify is charged).
+3. `observe(id, num_draft, accepted)` per verified draft (the scheduler may have cut it) and
+   `observe_step(ks, drafted, seconds)` with the step's measured time, which refines the cost.
+
+A request whose K stayed the same for `PROBE_EVERY` steps drafts one captured depth deeper, once:
+positions past K get no evidence, so an estimate that came out low on a few early rejections (or a
+phase judged not worth drafting at all, K = 0) would never be looked at again. Likewise, while fewer
+than `MIN_EVIDENCE` verifies of the phase (decayed, pooled over its requests) tried position K + 1,
+every step probes it: two early rejections must not end drafting for good. A probe costs one more
+verify token in one step of `PROBE_EVERY`; drafting is lossless, so it changes speed only.
+
+Predictions are kept for what the stats line and /metrics show against what happened: each
+draft's expected accepted tokens, and each step's predicted seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tandem.spec.goodput import PHASE_DECAY, AcceptanceStats, StepCost, choose_ks, expected_accepted
+
+logger = logging.getLogger("tandem")
+
+PROBE_EVERY = 16  # steps at one K after which a request drafts one captured depth deeper, once
+MIN_EVIDENCE = 8.0  # verifies of a phase that tried a position before K may stop short of it
+CONFIDENCE_BINS = 10
+CONFIDENCE_WEIGHT = 8.0  # pseudo-observations of the raw confidence in each bin's calibration
+
+
+class ConfidenceCalibration:
+    """P(accepted | the drafter's confidence c), per phase: decayed accept / try counts in
+    `CONFIDENCE_BINS` bins of c, shrunk towards c itself (an uncalibrated head is taken at its
+    word until verifies say otherwise)."""
+
+    def __init__(self, decay: float = PHASE_DECAY, weight: float = CONFIDENCE_WEIGHT) -> None:
+        self.decay = decay
+        self.weight = weight
+        self._counts: dict[str, list[list[float]]] = {}  # phase -> [bin] -> [accepted, tried]
+
+    @staticmethod
+    def _bin(c: float) -> int:
+        return min(max(int(c * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
+
+    def rate(self, phase: str, c: float) -> float:
+        counts = self._counts.get(phase)
+        if counts is None:
+            return c
+        accepted, tried = counts[self._bin(c)]
+        return (accepted + self.weight * c) / (tried + self.weight)
+
+    def observe(self, phase: str, confidence: Sequence[float], num_accepted: int) -> None:
+        """A verify of len(confidence) drafts accepted the first num_accepted: positions up to the
+        first rejection were tried."""
+        counts = self._counts.setdefault(phase, [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)])
+        for cell in counts:
+            cell[0] *= self.decay
+            cell[1] *= self.decay
+        for i, c in enumerate(confidence[: num_accepted + 1]):
+            cell = counts[self._bin(c)]
+            cell[1] += 1.0
+            if i < num_accepted:
+                cell[0] += 1.0
+
+
+@dataclass
+class _Pending:
+    """What a request's current draft was chosen on."""
+
+    phase: str
+    rates: list[float]  # a_1 .. a_Kmax the choice used (calibrated confidence where refined)
+    confidence: list[float] | None = None
+
+
+@dataclass
+class StepPrediction:
+    """A step's predicted and measured seconds (measured None until `observe_step`)."""
+
+    predicted: float
+    measured: float | None = None
+
+
+class AutoK:
+    """The per-request K of `adaptive: "auto"` (see the module docstring)."""
+
+    def __init__(self, max_k: int, depths: Sequence[int], cost: StepCost) -> None:
+        self.max_k = max_k
+        self.depths = tuple(sorted(set(depths)))
+        self.cost = cost
+        self.stats = AcceptanceStats(max_k)
+        self.calibration = ConfidenceCalibration()
+        self._previous: dict[str, int] = {}
+        self._same_steps: dict[str, int] = {}  # steps in a row at the same K
+        self._pending: dict[str, _Pending] = {}
+
+    def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
+        """Each request's K for this step (0 .. its limit, from 0 and the captured depths)."""
+        rates = [self.stats.rates(rid, phase) for rid, phase in zip(ids, phases)]
+        previous = [self._previous.get(rid, 0) for rid in ids]
+        ks = choose_ks(rates, self.depths, self.cost, previous, limits)
+        for i, (rid, k) in enumerate(zip(ids, ks)):
+            same = self._same_steps.get(rid, 0) + 1 if k == self._previous.get(rid) else 1
+            deeper = [d for d in self.depths if k < d <= limits[i]]
+            thin = bool(deeper) and self.stats.phase_tries(phases[i], k + 1) < MIN_EVIDENCE
+            if deeper and (same >= PROBE_EVERY or thin):
+                ks[i], same = deeper[0], 0  # the next captured depth up, once
+            self._same_steps[rid] = same
+            self._previous[rid] = k  # the choice, not the probe: hysteresis compares with it
+            self._pending[rid] = _Pending(phases[i], rates[i])
+        return ks
+
+    def refine(self, ids: Sequence[str], drafted: Sequence[int], confidences: Sequence[Sequence[float] | None]
+               ) -> list[int]:
+        """Cut lengths of the drafts just made (drafted[i] tokens, confidences[i] the drafter's own
+        estimate per token, None without one): the search rerun on the calibrated confidences,
+        charging only the verify. Requests without a confidence keep their draft."""
+        if not any(c is not None for c in confidences):
+            return list(drafted)
+        rates = []
+        for rid, conf in zip(ids, confidences):
+            pending = self._pending[rid]
+            if conf is not None:
+                pending.confidence = list(conf)
+                calibrated = [self.calibration.rate(pending.phase, c) for c in conf]
+                pending.rates = calibrated + pending.rates[len(calibrated):]
+            rates.append(pending.rates)
+        ks = choose_ks(rates, self.depths, self.cost, limits=drafted, hysteresis=0.0, drafted=drafted)
+        return [k if conf is not None else d for k, d, conf in zip(ks, drafted, confidences)]
+
+    def expected(self, request_id: str, num_draft: int) -> float:
+        """The expected accepted tokens of the request's current draft cut to num_draft."""
+        pending = self._pending.get(request_id)
+        return expected_accepted(pending.rates, num_draft) if pending is not None else 0.0
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        """A verify of the request's draft (num_draft tokens, after any cut) accepted num_accepted."""
+        pending = self._pending.get(request_id)
+        if pending is None or num_draft <= 0:
+            return
+        self.stats.observe(request_id, pending.phase, num_draft, num_accepted)
+        if pending.confidence is not None:
+            self.calibration.observe(pending.phase, pending.confidence[:num_draft], num_accepted)
+
+    def observe_step(self, ks: Sequence[int], drafted: Sequence[int], seconds: float) -> StepPrediction:
+        """A decode / verify step of these ks (the drafter having run at `drafted`) took `seconds`:
+        returns what was predicted for it, then refines the cost."""
+        prediction = StepPrediction(self.cost.seconds(ks, drafted), seconds)
+        self.cost.observe(ks, seconds, drafted)
+        return prediction
+
+    def remove(self, request_id: str) -> None:
+        self.stats.remove(request_id)
+        self._previous.pop(request_id, None)
+        self._same_steps.pop(request_id, None)
+        self._pending.pop(request_id, None)
