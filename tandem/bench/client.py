@@ -26,7 +26,11 @@ class BenchError(Exception):
 @dataclass
 class StreamSample:
     """One streamed request. Times are seconds; `chunk_times` are relative to the request start and
-    hold one entry per chunk that carried output (role-only chunks and the usage chunk excluded)."""
+    hold one entry per chunk that carried output (role-only chunks and the usage chunk excluded).
+    `chunk_phases[i]` is what chunk i carried: "reasoning" (reasoning_content), "tool_call"
+    (tool_calls) or "content" (answer text; every chunk of a text completion), a chunk with no
+    output of its own (a finish_reason alone) keeping the phase before it. `tool_calls` are the
+    streamed calls put together, as OpenAI's non-streaming `message.tool_calls` (plus `index`)."""
 
     ok: bool = False
     error: str | None = None
@@ -34,11 +38,13 @@ class StreamSample:
     start: float = 0.0  # perf_counter() when the request was sent
     end: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
+    chunk_phases: list[str] = field(default_factory=list)  # parallel to chunk_times
     prompt_tokens: int | None = None  # from usage
     completion_tokens: int | None = None  # from usage
     cached_tokens: int | None = None
     text: str = ""
     reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
 
     @property
@@ -158,13 +164,15 @@ class BenchClient:
 
     # ---- tokens --------------------------------------------------------------------------------
 
-    async def count_tokens(self, text: str) -> int | None:
-        """Tokens in `text` by the server's tokenizer via POST /tokenize; None where the server has
+    async def count_tokens(self, text: str, special: bool = True) -> int | None:
+        """Tokens in `text` by the server's tokenizer via POST /tokenize (`special`: with the special
+        tokens a prompt gets, such as BOS; off to count generated text); None where the server has
         no such endpoint (then callers estimate from usage counts)."""
         if self.has_tokenize is False:
             return None
+        body = {"model": self.model, "prompt": text, **({} if special else {"add_special_tokens": False})}
         try:
-            resp = await self.http.post(f"{self.url}/tokenize", json={"model": self.model, "prompt": text})
+            resp = await self.http.post(f"{self.url}/tokenize", json=body)
         except httpx.HTTPError:
             self.has_tokenize = False
             return None
@@ -278,21 +286,52 @@ class BenchClient:
             s.completion_tokens = usage.get("completion_tokens")
             s.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in event.get("choices") or []:
+            phase = "content"
             if chat:
                 delta = choice.get("delta") or {}
                 content = delta.get("content") or ""
                 reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
-                if "role" in delta and not content and not reasoning:
+                calls = delta.get("tool_calls") or []
+                if "role" in delta and not content and not reasoning and not calls:
                     continue  # the role announcement is not a token
                 s.text += content
                 s.reasoning += reasoning
+                _add_tool_call_deltas(s.tool_calls, calls)
+                if calls:
+                    phase = "tool_call"
+                elif reasoning:
+                    phase = "reasoning"
+                elif not content and s.chunk_phases:
+                    phase = s.chunk_phases[-1]  # nothing of its own (a finish_reason alone)
             else:
                 s.text += choice.get("text") or ""
             if choice.get("finish_reason"):
                 s.finish_reason = choice["finish_reason"]
             s.chunk_times.append(now)
+            s.chunk_phases.append(phase)
             break  # one timestamp per event; benchmarks send n=1
         return False
+
+
+def _add_tool_call_deltas(calls: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+    """Fold OpenAI streaming tool-call deltas into `calls`: a call's first delta brings its id,
+    type and function name (arguments possibly ""), later ones with the same `index` append to
+    function.arguments. A delta without an index continues the last call unless it brings a new id."""
+    for d in deltas:
+        index = d.get("index")
+        if index is None:
+            fresh = not calls or (d.get("id") and d["id"] != calls[-1]["id"])
+            index = len(calls) if fresh else calls[-1]["index"]
+        call = next((c for c in calls if c["index"] == index), None)
+        if call is None:
+            call = {"index": index, "id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            calls.append(call)
+        fn = d.get("function") or {}
+        call["id"] = d.get("id") or call["id"]
+        call["type"] = d.get("type") or call["type"]
+        call["function"]["name"] = call["function"]["name"] or fn.get("name") or ""  # sent once, in the first delta
+        args = fn.get("arguments")
+        call["function"]["arguments"] += args if isinstance(args, str) else json.dumps(args) if args else ""
 
 
 def api_key_from_env() -> str | None:

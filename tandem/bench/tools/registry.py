@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from tandem.bench.tools import bracket_run, conc, ctx, decode, ngram_ceiling, pptg, quality, streamgap
+from tandem.bench.tools import agentic, bracket_run, conc, ctx, decode, ngram_ceiling, pptg, quality, streamgap
 
 TOOLS: dict[str, ModuleType] = {
     "decode": decode,
@@ -14,6 +14,7 @@ TOOLS: dict[str, ModuleType] = {
     "pp-tg": pptg,
     "streamgap": streamgap,
     "ngram-ceiling": ngram_ceiling,
+    "agentic": agentic,
     "bracket": bracket_run,
 }
 
@@ -25,5 +26,6 @@ HELP = {
     "pp-tg": "llama-bench-style pp/tg table",
     "streamgap": "inter-token gaps of a stream while a large prefill arrives",
     "ngram-ceiling": "offline n-gram (prompt lookup) drafting ceiling for K=1..8",
+    "agentic": "phase-alternating agentic mix: reasoning, code / JSON / tool calls over several turns; tok/s per phase",
     "bracket": "base -> candidate -> base with a ledger and a verdict",
 }
