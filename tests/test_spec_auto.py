@@ -129,7 +129,7 @@ def test_predictions_and_step_costs_learn_from_observations():
     assert k == 2 and auto.expected("a", 2) == pytest.approx(expected_accepted([0.5, 0.5], 2))
     p = auto.observe_step([2], [2], 1.5)
     assert (p.predicted, p.measured) == (pytest.approx(1.2), 1.5)
-    assert auto.cost.seconds([2]) == pytest.approx(1.5)
+    assert auto.cost.seconds([2]) == pytest.approx(1.2 + 0.1 * 0.3)  # the residual's average moved 10%
     auto.remove("a")
     assert auto.expected("a", 2) == 0.0
 

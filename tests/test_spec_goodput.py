@@ -123,13 +123,18 @@ def test_step_cost_buckets_padding_hook_and_online_refinement() -> None:
         cost.seconds([0] * 5)
     with pytest.raises(ValueError, match="query length 2"):
         cost.seconds([1])
-    # Real steps take longer than the tables (host work): the residual is learned per (bucket, q)
-    # and, for a q not seen yet, from the bucket's average.
+    # Real steps take longer than the tables (host work): the residual is learned per (bucket, q),
+    # an exponential average (smoothing 0.1) from the bucket's, which also serves a q not seen yet.
     cost.observe([2], 2.2)  # modelled 1.2 + 0.02: residual 0.98
-    assert cost.seconds([2]) == pytest.approx(2.2)
-    assert cost.seconds([0]) == pytest.approx(1.0 + 0.98)  # bucket 1, q = 1: the bucket's residual
-    cost.observe([2], 1.22)  # an exponential average with smoothing 0.1
-    assert cost.learned([2]) == pytest.approx(0.9 * 0.98 + 0.1 * 0.0)
+    assert cost.learned([2]) == pytest.approx(0.098)
+    assert cost.seconds([0]) == pytest.approx(1.0 + 0.098)  # bucket 1, q = 1: the bucket's residual
+    for _ in range(60):
+        cost.observe([2], 2.2)
+    assert cost.seconds([2]) == pytest.approx(2.2, rel=0.01)
+    # One outlier step (10x slower) counts as twice the prediction.
+    before = cost.learned([2])
+    cost.observe([2], 22.0)
+    assert cost.seconds([2]) == pytest.approx(0.9 * 2.2 + 0.1 * 4.4, rel=0.01)
     assert cost.seconds([0, 0]) == pytest.approx(2.0)  # bucket 4 has learned nothing
 
 

@@ -17,8 +17,9 @@ A request whose K stayed the same for `PROBE_EVERY` steps drafts one captured de
 positions past K get no evidence, so an estimate that came out low on a few early rejections (or a
 phase judged not worth drafting at all, K = 0) would never be looked at again. Likewise, while fewer
 than `MIN_EVIDENCE` verifies of the phase (decayed, pooled over its requests) tried position K + 1,
-every step probes it: two early rejections must not end drafting for good. A probe costs one more
-verify token in one step of `PROBE_EVERY`; drafting is lossless, so it changes speed only.
+every step probes it: two early rejections must not end drafting for good. Probes are spaced so that
+they cost at most `PROBE_BUDGET` of the time (a probe that makes its step twice as slow waits
+longer than one that adds 8%); drafting is lossless, so a probe changes speed only.
 
 Predictions are kept for what the stats line and /metrics show against what happened: each
 draft's expected accepted tokens, and each step's predicted seconds.
@@ -35,6 +36,8 @@ from tandem.spec.goodput import PHASE_DECAY, AcceptanceStats, StepCost, choose_k
 logger = logging.getLogger("tandem")
 
 PROBE_EVERY = 16  # steps at one K after which a request drafts one captured depth deeper, once
+PROBE_BUDGET = 0.01  # the share of step time probes may cost
+REFINE_MIN_GAIN = 0.05  # a confidence cut is tried when one verify token less saves this share
 MIN_EVIDENCE = 8.0  # verifies of a phase that tried a position before K may stop short of it
 CONFIDENCE_BINS = 10
 CONFIDENCE_WEIGHT = 8.0  # pseudo-observations of the raw confidence in each bin's calibration
@@ -107,19 +110,28 @@ class AutoK:
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
         """Each request's K for this step (0 .. its limit, from 0 and the captured depths)."""
-        rates = [self.stats.rates(rid, phase) for rid, phase in zip(ids, phases)]
+        priors = {phase: self.stats.phase_rates(phase) for phase in set(phases)}  # once per phase
+        rates = [self.stats.rates(rid, phase, priors[phase]) for rid, phase in zip(ids, phases)]
         previous = [self._previous.get(rid, 0) for rid in ids]
         ks = choose_ks(rates, self.depths, self.cost, previous, limits)
         for i, (rid, k) in enumerate(zip(ids, ks)):
             same = self._same_steps.get(rid, 0) + 1 if k == self._previous.get(rid) else 1
             deeper = [d for d in self.depths if k < d <= limits[i]]
             thin = bool(deeper) and self.stats.phase_tries(phases[i], k + 1) < MIN_EVIDENCE
-            if deeper and (same >= PROBE_EVERY or thin):
+            if deeper and (thin or (same >= PROBE_EVERY and same >= self._probe_interval(ks, i, deeper[0]))):
                 ks[i], same = deeper[0], 0  # the next captured depth up, once
             self._same_steps[rid] = same
             self._previous[rid] = k  # the choice, not the probe: hysteresis compares with it
             self._pending[rid] = _Pending(phases[i], rates[i])
         return ks
+
+    def _probe_interval(self, ks: Sequence[int], i: int, deeper: int) -> float:
+        """Steps between probes, so that probing costs at most PROBE_BUDGET of the time: a probe
+        that makes its step 8% slower (a GPU verify token) every PROBE_EVERY steps, one that
+        doubles it (a drafter dearer than the target) every 100."""
+        base = self.cost.seconds(ks)
+        probe = self.cost.seconds([*ks[:i], deeper, *ks[i + 1 :]])
+        return (probe - base) / max(base, 1e-12) / PROBE_BUDGET
 
     def refine(self, ids: Sequence[str], drafted: Sequence[int], confidences: Sequence[Sequence[float] | None]
                ) -> list[int]:
@@ -138,6 +150,17 @@ class AutoK:
             rates.append(pending.rates)
         ks = choose_ks(rates, self.depths, self.cost, limits=drafted, hysteresis=0.0, drafted=drafted)
         return [k if conf is not None else d for k, d, conf in zip(ks, drafted, confidences)]
+
+    def cut_can_pay(self, drafted: Sequence[int]) -> bool:
+        """Whether verifying one token less than the deepest draft saves more than REFINE_MIN_GAIN
+        of the verify: reading the confidences is a host copy and a second search, which on a
+        small GPU step (cheap verify tokens) costs more than any cut could save."""
+        deepest = max(drafted, default=0)
+        if deepest <= 0:
+            return False
+        full = self.cost.seconds(drafted, drafted, include_draft=False)
+        shorter = self.cost.seconds([min(k, deepest - 1) for k in drafted], drafted, include_draft=False)
+        return full - shorter > REFINE_MIN_GAIN * full
 
     def expected(self, request_id: str, num_draft: int) -> float:
         """The expected accepted tokens of the request's current draft cut to num_draft."""

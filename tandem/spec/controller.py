@@ -102,6 +102,7 @@ class SpecDecoder:
         self.chosen_k: list[tuple[Phase, int]] = []  # (phase, K) of each request the last propose saw
         self.auto: AutoK | None = None  # adaptive auto: built by start_auto
         self._drafted: dict[str, int] = {}  # the depth each request was drafted at by the last propose
+        self._drafter_prefilled = False  # the drafter ran prompt work since the last observe_step
 
     @classmethod
     def create(cls, config: SpecConfig, tokenizer: Tokenizer, max_model_len: int, target: CausalLM,
@@ -114,6 +115,7 @@ class SpecDecoder:
         def count(mode: str) -> None:
             assert spec is not None
             spec.drafter_forwards[mode] = spec.drafter_forwards.get(mode, 0) + 1
+            spec._drafter_prefilled |= mode == "prefill"
 
         proposer: Proposer
         path: Path | None = None
@@ -241,11 +243,12 @@ class SpecDecoder:
 
     def _refine(self, ids: Sequence[str], drafts: Sequence[Draft]) -> list[Draft]:
         """auto: cut drafts that carry the drafter's confidence where it says the rest does not pay
-        (all confidences read in one device-to-host copy)."""
-        with_conf = [i for i, d in enumerate(drafts) if d.confidence is not None and d.tokens]
-        if not with_conf:
-            return list(drafts)
+        (all confidences read in one device-to-host copy), when a cut can pay at all
+        (`AutoK.cut_can_pay`)."""
         assert self.auto is not None
+        with_conf = [i for i, d in enumerate(drafts) if d.confidence is not None and d.tokens]
+        if not with_conf or not self.auto.cut_can_pay([len(d.tokens) for d in drafts]):
+            return list(drafts)
         flat = torch.cat([drafts[i].confidence[: len(drafts[i].tokens)] for i in with_conf]).tolist()
         confidences: list[list[float] | None] = [None] * len(drafts)
         at = 0
@@ -275,9 +278,10 @@ class SpecDecoder:
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> StepPrediction | None:
         """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies
-        only refines the cost model and returns its prediction; one with prefill work (its cost is
-        not the model's) returns None."""
-        if self.auto is None or not sched.scheduled:
+        only refines the cost model and returns its prediction; one with prefill work, the
+        target's or the drafter's (its cost is not the model's), returns None."""
+        prefilled, self._drafter_prefilled = self._drafter_prefilled, False
+        if self.auto is None or not sched.scheduled or prefilled:  # a draft model's prompt catch-up
             return None
         if any(s.num_tokens != 1 + len(s.draft) or not s.samples for s in sched.scheduled):
             return None

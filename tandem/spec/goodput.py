@@ -50,6 +50,7 @@ PHASE_DECAY = 0.999
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the phase prior in each request's estimate
 HYSTERESIS = 0.02  # relative goodput gain needed to change the batch's ks
 DEFAULT_ACCEPT = 0.5  # a phase nothing has been seen of yet
+OUTLIER_FACTOR = 2.0  # a measured step counts as at most this many times its predicted time
 
 
 @dataclass
@@ -122,9 +123,10 @@ class AcceptanceStats:
         i = position - 1
         return counts.tried[i] if counts is not None and i < len(counts.tried) else 0.0
 
-    def rates(self, request_id: str, phase: str) -> list[float]:
-        """a_1 .. a_Kmax for one request in its phase: its own counts shrunk to the phase prior."""
-        prior = self.phase_rates(phase)
+    def rates(self, request_id: str, phase: str, prior: Sequence[float] | None = None) -> list[float]:
+        """a_1 .. a_Kmax for one request in its phase: its own counts shrunk to the phase prior
+        (`prior`: `phase_rates(phase)`, when the caller has it)."""
+        prior = self.phase_rates(phase) if prior is None else prior
         counts = self._request.get((request_id, phase))
         if counts is None:
             return prior
@@ -141,10 +143,10 @@ def expected_accepted(rates: Sequence[float], k: int) -> float:
 
 
 def _interp(points: Sequence[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear through `points` (x, t) at x; beyond the ends, the nearest segment's line
+    """Piecewise-linear through `points` (x, t), sorted by x, at x; beyond the ends, the nearest segment's line
     (one point: its value). Used where a table has no entry: a batch bucket not measured, a token
     count between measured shapes."""
-    pts = sorted(points)
+    pts = points  # sorted by x
     if len(pts) == 1:
         return pts[0][1]
     i = min(max(bisect.bisect_left([p[0] for p in pts], x), 1), len(pts) - 1)
@@ -186,10 +188,10 @@ class StepCost:
         if not self.buckets:
             self.buckets = tuple(sorted({b for b, _ in self.verify}))
         self._by_q: dict[int, list[tuple[float, float]]] = {}
-        for (b, q), t in self.verify.items():
+        for (b, q), t in sorted(self.verify.items()):
             self._by_q.setdefault(q, []).append((b, t))
         self._draft_by_depth: dict[int, list[tuple[float, float]]] = {}
-        for (b, d), t in self.draft.items():
+        for (b, d), t in sorted(self.draft.items()):
             self._draft_by_depth.setdefault(d, []).append((b, t))
         self.residual: dict[tuple[int, int], float] = {}  # (bucket, q) -> learned seconds
         self._bucket_residual: dict[int, float] = {}
@@ -217,14 +219,18 @@ class StepCost:
             t = self.verify.get((self.bucket(n), q))
             t = _interp(points, self.bucket(n)) if t is None else t
         else:  # ragged: the measured grid at (n, the mean query length), bilinear
-            t = _interp([(qq, _interp(self._by_q[qq], n)) for qq in self._by_q], 1 + sum(ks) / max(n, 1))
+            t = _interp([(qq, _interp(self._by_q[qq], n)) for qq in sorted(self._by_q)], 1 + sum(ks) / max(n, 1))
         drafted = ks if drafted is None else drafted
         if include_draft and self._draft_by_depth and any(drafted):
             depth, count = max(drafted), sum(1 for k in drafted if k > 0)
-            points = self._draft_by_depth.get(depth)
-            if points is None:
-                raise ValueError(f"no measured drafter time at depth {depth} (measured {sorted(self._draft_by_depth)})")
-            t += _interp(points, self.bucket(count) if self.padded else count)
+            at = self.bucket(count) if self.padded else count
+            d = self.draft.get((at, depth))
+            if d is None:
+                points = self._draft_by_depth.get(depth)
+                if points is None:
+                    raise ValueError(f"no measured drafter time at depth {depth} (measured {sorted(self._draft_by_depth)})")
+                d = _interp(points, at)
+            t += d
         return t + (self.extra(ks) if self.extra else 0.0)
 
     def learned(self, ks: Sequence[int]) -> float:
@@ -239,11 +245,18 @@ class StepCost:
 
     def observe(self, ks: Sequence[int], seconds: float, drafted: Sequence[int] | None = None) -> None:
         """A real step verifying ks (drafted at `drafted`) took `seconds`: refine the residual."""
-        err = seconds - self.modelled(ks, drafted)
+        modelled = self.modelled(ks, drafted)
         key = (self.bucket(len(ks)), 1 + max(ks, default=0))
         a = self.smoothing
-        self._bucket_residual[key[0]] = (1 - a) * self._bucket_residual.get(key[0], err) + a * err
-        self.residual[key] = (1 - a) * self.residual.get(key, err) + a * err
+        bucket_old = self._bucket_residual.get(key[0], 0.0)
+        old = self.residual.get(key, bucket_old)
+        # One slow step (a page fault, a long stall) counts as at most OUTLIER_FACTOR times the
+        # prediction: a persistent change is still learned within a few dozen steps (each may
+        # double the estimate), an outlier is not frozen into a key the controller then avoids
+        # (and so never measures again).
+        err = min(seconds, OUTLIER_FACTOR * (modelled + old)) - modelled
+        self._bucket_residual[key[0]] = (1 - a) * bucket_old + a * err
+        self.residual[key] = (1 - a) * old + a * err
 
     def table(self) -> str:
         """The measured verify (and drafter) times in ms, one line per bucket: for the start-up log."""

@@ -1,0 +1,207 @@
+"""The K policies on the demo pair, in one process, on a phase-alternating agentic mix: no
+speculation, fixed K = 1..4 (`adaptive: off`), `phase`, and `auto`, for DSpark and the draft model,
+at several concurrencies, with interleaved repetitions (every configuration runs once per round,
+rounds repeat; the median over rounds is reported, so drift between configurations is shared).
+
+The workload is the demo corpus (the prompts the demo model answers): families cycled so that
+reasoning-heavy turns (arithmetic, sort, count: long `<think>`), JSON, code and tool calls
+alternate, and each tool example also gives its second turn (after the tool's result). At
+concurrency c, c requests are kept in flight (a finished one is replaced at once), greedy.
+
+Per configuration: output tok/s, acceptance by phase, the K distribution by phase, and for `auto`
+the predicted vs measured step time; `--traces OUT` also records, from a fixed-Kmax DSpark run at
+concurrency 1, every verify's (request, output position, phase, drafted, accepted): the traces
+`bench_auto_replay.py` replays against a large target's step costs.
+
+    python benchmarks/bench_auto.py --device cuda --rounds 3 --concurrency 1,4,16 --out auto.json --traces traces.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.builtin import demo_model_dir  # noqa: E402
+from tandem.demo import text  # noqa: E402
+from tandem.demo.corpus import EVAL_SEED, make_example  # noqa: E402
+
+ORDER = ("arithmetic", "json", "tool", "sort", "python", "count", "tool", "units")
+PHASES = ("reasoning", "content", "tool_call")
+PHASE_K = {"reasoning": 1, "content": 2, "tool_call": 3}  # the seed's rule, extended to tool calls
+
+
+def workload(n: int) -> list[list[int]]:
+    """n prompts cycling ORDER; a tool example adds its second assistant turn."""
+    tok = text.load_tokenizer(demo_model_dir() / "tokenizer.json")
+    out: list[list[int]] = []
+    i = 0
+    while len(out) < n:
+        family = ORDER[i % len(ORDER)]
+        ex = make_example(EVAL_SEED, 100 + i, family)
+        turns = [j for j, m in enumerate(ex.messages) if m["role"] == "assistant"]
+        for upto in turns[:2]:
+            out.append(tok.encode(text.render_prompt(ex, upto), add_special_tokens=False).ids)
+        i += 1
+    return out[:n]
+
+
+def configs(methods: list[str], kmax: int) -> dict[str, dict | None]:
+    out: dict[str, dict | None] = {"none": None}
+    for m in methods:
+        for k in range(1, kmax + 1):
+            out[f"{m} K={k}"] = {"method": m, "num_speculative_tokens": k}
+        out[f"{m} phase"] = {"method": m, "num_speculative_tokens": kmax, "adaptive": "phase", "phase_k": PHASE_K}
+        out[f"{m} auto"] = {"method": m, "num_speculative_tokens": kmax, "adaptive": "auto"}
+    return out
+
+
+def counters(llm: LLM) -> dict[tuple, float]:
+    """Every spec / timing counter sample, keyed by (name, sorted labels)."""
+    snap: dict[tuple, float] = {}
+    for metric in llm.engine.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name.startswith("tandem:spec_decode") and s.name.endswith("_total"):
+                key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))
+                snap[key] = snap.get(key, 0.0) + s.value
+    return snap
+
+
+def run_level(llm: LLM, prompts: list[list[int]], conc: int, max_tokens: int) -> tuple[int, float]:
+    """Keep `conc` requests in flight until every prompt is done; (output tokens, seconds)."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    queue, live, tokens = list(enumerate(prompts)), set(), 0
+    start = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < conc:
+            i, ids = queue.pop(0)
+            rid = f"b{i}-{time.monotonic_ns()}"
+            eng.add_request(rid, ids, params)
+            live.add(rid)
+        for out in eng.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                live.discard(out.request_id)
+    return tokens, time.perf_counter() - start
+
+
+def summarize(delta: dict[tuple, float]) -> dict[str, Any]:
+    def get(name: str, **labels: str) -> float:
+        return sum(v for (n, ls), v in delta.items() if n == f"tandem:spec_decode_{name}_total"
+                   and all(dict(ls).get(k) == x for k, x in labels.items()))
+
+    out: dict[str, Any] = {}
+    for phase in PHASES:
+        drafts = get("num_drafts", phase=phase)
+        if drafts:
+            out[phase] = {"drafts": drafts, "accept_len": 1 + get("num_accepted_tokens", phase=phase) / drafts,
+                          "k": {k: get("k", phase=phase, k=str(k)) for k in range(0, 9)
+                                if get("k", phase=phase, k=str(k))}}
+            if get("predicted_accepted_tokens", phase=phase):  # auto only
+                out[phase]["predicted_accept_len"] = 1 + get("predicted_accepted_tokens", phase=phase) / drafts
+    steps = get("timed_steps")
+    if steps:
+        out["step_ms"] = {"predicted": 1e3 * get("step_predicted_seconds") / steps,
+                          "measured": 1e3 * get("step_measured_seconds") / steps, "steps": steps}
+    return out
+
+
+def record_traces(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Each verify's (request, output position, phase, drafted, accepted) at concurrency 1."""
+    spec, rows = llm.engine.spec, []
+    observe = spec.observe
+
+    def traced(sched, accepted, aux):  # noqa: ANN001, ANN202
+        for s in sched.scheduled:
+            if s.draft:
+                rid = s.request.request_id
+                rows.append({"request": rid, "pos": s.request.num_output_tokens, "phase": spec.phase(s.request),
+                             "drafted": len(s.draft), "accepted": accepted.get(rid, 0)})
+        return observe(sched, accepted, aux)
+
+    spec.observe = traced
+    try:
+        for i, ids in enumerate(prompts):
+            llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    finally:
+        spec.observe = observe
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--methods", default="dspark,draft_model")
+    ap.add_argument("--kmax", type=int, default=4)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--only", default=None, help="comma-separated configuration names to run (default all)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--traces", default=None, help="also record DSpark K=kmax verify traces here")
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = workload(args.prompts)
+    table = configs(args.methods.split(","), args.kmax)
+    if args.only:
+        table = {k: v for k, v in table.items() if k in args.only.split(",")}
+    llms = {}
+    for name, spec in table.items():
+        t = time.perf_counter()
+        llms[name] = LLM(str(demo_model_dir()), device=args.device, max_num_seqs=max(levels), kv_cache_memory="1GiB",
+                         speculative_config=spec)
+        llms[name].generate(prompts[:2], SamplingParams(max_tokens=32, temperature=0.0))  # warm-up
+        print(f"built {name} in {time.perf_counter() - t:.1f} s", flush=True)
+    results: dict[str, dict[int, list[float]]] = {n: {c: [] for c in levels} for n in table}
+    details: dict[str, dict[int, dict]] = {n: {} for n in table}
+    for r in range(args.rounds):
+        for c in levels:
+            for name, llm in llms.items():
+                before = counters(llm)
+                tokens, seconds = run_level(llm, prompts, c, args.max_tokens)
+                after = counters(llm)
+                results[name][c].append(tokens / seconds)
+                if r == args.rounds - 1:
+                    details[name][c] = summarize({k: v - before.get(k, 0.0) for k, v in after.items()})
+                print(f"round {r + 1} conc {c:>2} {name:<18} {tokens / seconds:8.1f} tok/s ({tokens} tokens)", flush=True)
+    report = {"rounds": args.rounds, "prompts": len(prompts), "max_tokens": args.max_tokens, "device": args.device,
+              "results": {}}
+    print(f"\nmedian tok/s over {args.rounds} rounds (ratio to no speculation)")
+    print(f"{'config':<18}" + "".join(f"{'conc ' + str(c):>18}" for c in levels))
+    for name in table:
+        row = f"{name:<18}"
+        report["results"][name] = {}
+        for c in levels:
+            med = statistics.median(results[name][c])
+            base = statistics.median(results["none"][c]) if "none" in results else med
+            row += f"{med:10.1f} ({med / base:4.2f}x)"
+            report["results"][name][c] = {"tok_s": results[name][c], "median": med, "vs_none": med / base,
+                                          **details[name].get(c, {})}
+        print(row)
+    for name in table:
+        for c in levels:
+            d = details[name].get(c, {})
+            if d:
+                print(f"{name} conc {c}: " + json.dumps(d))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    if args.traces:
+        k = args.kmax
+        llm = LLM(str(demo_model_dir()), device=args.device, max_num_seqs=1, kv_cache_memory="1GiB",
+                  speculative_config={"method": "dspark", "num_speculative_tokens": k})
+        rows = record_traces(llm, prompts, args.max_tokens)
+        Path(args.traces).write_text(json.dumps({"method": "dspark", "kmax": k, "rows": rows}))
+        print(f"recorded {len(rows)} verifies of {len(prompts)} requests to {args.traces}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Replayed: the K policies facing a large target's step costs with the demo pair's acceptance.
+
+The demo pair's per-verify traces (`bench_auto.py --traces`: at every step of a fixed-Kmax DSpark
+run, the request's output position, phase, and how many of the Kmax drafts the target accepted)
+are replayed as a simulation: requests advance through their traces, a step at depth K accepts
+min(accepted at Kmax, K) drafts (drafts are prefix-consistent), and takes the time of the step
+costs measured on a random-weight target of the Qwen3-30B-A3B shape (the engine's own start-up
+measurement: `ModelRunner.measure`, graph replays per (batch bucket, q = 1 + K), short context)
+plus the demo DSpark drafter's measured times. GPU time only: no host work is simulated. Every
+policy runs on the same traces and the same tables: no speculation, fixed K = 1..Kmax, `phase`,
+and `auto` (the real controller, `tandem.spec.auto.AutoK`, fed each simulated verify and step).
+
+    python benchmarks/bench_auto_replay.py --traces traces.json --device cuda --out replay.json
+    python benchmarks/bench_auto_replay.py --traces traces.json --device cpu --shape tiny   # a smoke run
+
+Results are labelled "replayed": acceptance is the demo pair's, costs are the large target's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_gpu import SHAPES, build_engine, free_device_memory, model_dir  # noqa: E402
+
+from tandem import LLM  # noqa: E402
+from tandem.builtin import demo_model_dir  # noqa: E402
+from tandem.engine.runner import batch_buckets  # noqa: E402
+from tandem.spec.auto import AutoK  # noqa: E402
+from tandem.spec.goodput import StepCost  # noqa: E402
+
+PHASE_K = {"reasoning": 1, "content": 2, "tool_call": 3}
+
+
+class Trace:
+    """One request's verifies, by output position."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = sorted(rows, key=lambda r: r["pos"])
+        self.positions = [r["pos"] for r in self.rows]
+        last = self.rows[-1]
+        self.length = last["pos"] + 1 + last["accepted"]
+
+    def at(self, pos: int) -> dict:
+        """The verify recorded at the largest position <= pos (the text there)."""
+        return self.rows[max(bisect.bisect_right(self.positions, pos) - 1, 0)]
+
+
+def measure_tables(args: argparse.Namespace, kmax: int, max_seqs: int) -> tuple[dict, dict]:
+    shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    buckets = batch_buckets(max_seqs)
+    with model_dir(shape) as path:
+        t = time.perf_counter()
+        engine = build_engine(shape, path, max_seqs, 2048, args.kv_gib, enforce_eager=args.device != "cuda",
+                              device=args.device, max_k=kmax)
+        print(f"target built in {time.perf_counter() - t:.1f} s", flush=True)
+        verify = engine.runner.measure([(b, 1 + k) for b in buckets for k in range(kmax + 1)], repeats=20)
+        del engine
+        free_device_memory()
+    demo = LLM(str(demo_model_dir()), device=args.device, max_num_seqs=max_seqs, kv_cache_memory="1GiB",
+               speculative_config={"method": "dspark", "num_speculative_tokens": kmax, "adaptive": "auto"})
+    draft = demo.engine.spec.proposer.measure(buckets, list(range(1, kmax + 1)), repeats=20)
+    return verify, draft
+
+
+def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dict, draft: dict) -> dict:
+    """Run every trace through at `conc` in flight; tokens / simulated seconds."""
+    cost = StepCost(dict(verify), dict(draft), buckets=tuple(sorted({b for b, _ in verify})))
+    auto = AutoK(kmax, tuple(range(1, kmax + 1)), StepCost(dict(verify), dict(draft), buckets=cost.buckets))
+    queue = list(range(len(traces)))
+    live: dict[int, int] = {}  # trace index -> output position
+    tokens, seconds, steps, ks_seen = 0, 0.0, 0, {}
+    while queue or live:
+        while queue and len(live) < conc:
+            live[queue.pop(0)] = 0
+        ids = sorted(live)
+        rows = [traces[i].at(live[i]) for i in ids]
+        room = [traces[i].length - live[i] - 1 for i in ids]
+        if policy == "none":
+            ks = [0] * len(ids)
+        elif policy == "phase":
+            ks = [min(PHASE_K[r["phase"]], kmax, max(rm, 0)) for r, rm in zip(rows, room)]
+        elif policy == "auto":
+            ks = auto.choose([str(i) for i in ids], [r["phase"] for r in rows], [max(rm, 0) for rm in room])
+        else:
+            ks = [min(int(policy), max(rm, 0)) for rm in room]
+        t = cost.seconds(ks)
+        for i, r, k in zip(ids, rows, ks):
+            got = min(r["accepted"], k)
+            if policy == "auto" and k:
+                auto.observe(str(i), k, got)
+            step_tokens = min(1 + got, traces[i].length - live[i])
+            live[i] += step_tokens
+            tokens += step_tokens
+            ks_seen[k] = ks_seen.get(k, 0) + 1
+            if live[i] >= traces[i].length:
+                del live[i]
+                auto.remove(str(i))
+        if policy == "auto":
+            auto.observe_step(ks, ks, t)
+        seconds += t
+        steps += 1
+    return {"tok_s": tokens / seconds, "tokens": tokens, "steps": steps, "k": dict(sorted(ks_seen.items()))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=None, help="override the shape's depth")
+    ap.add_argument("--kv-gib", type=float, default=4.0)
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--repeat", type=int, default=3, help="times the trace set is run through (default 3)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    data = json.loads(Path(args.traces).read_text())
+    kmax = int(data["kmax"])
+    by_request: dict[str, list[dict]] = {}
+    for row in data["rows"]:
+        by_request.setdefault(row["request"], []).append(row)
+    traces = [Trace(rows) for rows in by_request.values()] * args.repeat
+    levels = [int(c) for c in args.concurrency.split(",")]
+    verify, draft = measure_tables(args, kmax, max(levels))
+    print("measured step ms (batch: q=1..):")
+    for b in sorted({b for b, _ in verify}):
+        print(f"  {b:>3}: " + " ".join(f"{verify[(b, q)] * 1e3:7.3f}" for q in range(1, kmax + 2))
+              + "   drafter d=1..: " + " ".join(f"{draft[(b, d)] * 1e3:6.3f}" for d in range(1, kmax + 1)))
+    policies = ["none", *[str(k) for k in range(1, kmax + 1)], "phase", "auto"]
+    report = {"replayed": True, "shape": args.shape, "layers": args.layers, "kmax": kmax, "requests": len(traces),
+              "verify_ms": {f"{b},{q}": t * 1e3 for (b, q), t in verify.items()},
+              "draft_ms": {f"{b},{d}": t * 1e3 for (b, d), t in draft.items()}, "results": {}}
+    print(f"\nreplayed tok/s (simulated GPU time), {len(traces)} requests; ratio to no speculation")
+    for c in levels:
+        res = {p: simulate(traces, c, p, kmax, verify, draft) for p in policies}
+        base = res["none"]["tok_s"]
+        best_fixed = max((str(k) for k in range(1, kmax + 1)), key=lambda k: res[k]["tok_s"])
+        report["results"][c] = res
+        line = "  ".join(f"{'K=' + p if p.isdigit() else p} {r['tok_s']:.0f} ({r['tok_s'] / base:.2f}x)"
+                         for p, r in res.items())
+        print(f"conc {c:>2}: {line}")
+        print(f"         best fixed K={best_fixed}; auto / best fixed = {res['auto']['tok_s'] / res[best_fixed]['tok_s']:.3f},"
+              f" auto / phase = {res['auto']['tok_s'] / res['phase']['tok_s']:.3f}; auto K counts {res['auto']['k']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
