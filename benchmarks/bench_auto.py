@@ -10,7 +10,8 @@ concurrency c, c requests are kept in flight (a finished one is replaced at once
 
 Per configuration: output tok/s, acceptance by phase, the K distribution by phase, and for `auto`
 the predicted vs measured step time; `--traces OUT` also records, from a fixed-Kmax DSpark run at
-concurrency 1, every verify's (request, output position, phase, drafted, accepted): the traces
+concurrency 1, every verify's (request, output position, phase, drafted, accepted, the drafter's
+confidence per draft token): the traces
 `bench_auto_replay.py` replays against a large target's step costs.
 
     python benchmarks/bench_auto.py --device cuda --rounds 3 --concurrency 1,4,16 --out auto.json --traces traces.json
@@ -117,22 +118,31 @@ def summarize(delta: dict[tuple, float]) -> dict[str, Any]:
 def record_traces(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """Each verify's (request, output position, phase, drafted, accepted) at concurrency 1."""
     spec, rows = llm.engine.spec, []
-    observe = spec.observe
+    observe, propose = spec.observe, spec.propose
+    confidence: dict[str, list[float]] = {}
+
+    def proposing(requests):  # noqa: ANN001, ANN202 - the drafter's confidence per draft token
+        drafts = propose(requests)
+        for rid, d in drafts.items():
+            if d.confidence is not None:
+                confidence[rid] = [round(c, 4) for c in d.confidence.tolist()]
+        return drafts
 
     def traced(sched, accepted, aux):  # noqa: ANN001, ANN202
         for s in sched.scheduled:
             if s.draft:
                 rid = s.request.request_id
                 rows.append({"request": rid, "pos": s.request.num_output_tokens, "phase": spec.phase(s.request),
-                             "drafted": len(s.draft), "accepted": accepted.get(rid, 0)})
+                             "drafted": len(s.draft), "accepted": accepted.get(rid, 0),
+                             "confidence": confidence.pop(rid, None)})
         return observe(sched, accepted, aux)
 
-    spec.observe = traced
+    spec.observe, spec.propose = traced, proposing
     try:
         for i, ids in enumerate(prompts):
             llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))
     finally:
-        spec.observe = observe
+        spec.observe, spec.propose = observe, propose
     return rows
 
 

@@ -3,12 +3,18 @@
 The demo pair's per-verify traces (`bench_auto.py --traces`: at every step of a fixed-Kmax DSpark
 run, the request's output position, phase, and how many of the Kmax drafts the target accepted)
 are replayed as a simulation: requests advance through their traces, a step at depth K accepts
-min(accepted at Kmax, K) drafts (drafts are prefix-consistent), and takes the time of the step
+as many drafts as the recorded runs of accepted drafts allow from its position, at most K
+(`Trace.run_at`: a step that lands inside a recorded run has its rest; a run that ended in a
+rejection stops at the rejected token; one accepted whole continues into the next), and takes
+the time of the step
 costs measured on a random-weight target of the Qwen3-30B-A3B shape (the engine's own start-up
 measurement: `ModelRunner.measure`, graph replays per (batch bucket, q = 1 + K), short context)
 plus the demo DSpark drafter's measured times. GPU time only: no host work is simulated. Every
 policy runs on the same traces and the same tables: no speculation, fixed K = 1..Kmax, `phase`,
-and `auto` (the real controller, `tandem.spec.auto.AutoK`, fed each simulated verify and step).
+and `auto` (the real controller, `tandem.spec.auto.AutoK`, fed each simulated verify and step,
+cutting drafts by the recorded DSpark confidence where a cut can pay; `auto-noconf` without);
+and a ceiling no policy can pass, `oracle`: each step's batch depth chosen knowing how many
+drafts each request will have accepted.
 
     python benchmarks/bench_auto_replay.py --traces traces.json --device cuda --out replay.json
     python benchmarks/bench_auto_replay.py --traces traces.json --device cpu --shape tiny   # a smoke run
@@ -52,6 +58,20 @@ class Trace:
         """The verify recorded at the largest position <= pos (the text there)."""
         return self.rows[max(bisect.bisect_right(self.positions, pos) - 1, 0)]
 
+    def run_at(self, pos: int, cap: int) -> int:
+        """How many drafts from `pos` on the recorded verifies say would be accepted (at most
+        cap): a step starting j tokens into a recorded run has its rest; a run that ended in a
+        rejection stops there (the rejected token is hard), one accepted whole continues through
+        the target's bonus token into the next recorded verify."""
+        row = self.at(pos)
+        left = max(row["accepted"] - (pos - row["pos"]), 0)
+        if row["accepted"] < row["drafted"] or left >= cap:
+            return min(left, cap)
+        after = row["pos"] + row["accepted"] + 1  # the next verify starts after the bonus token
+        if after >= self.length or after == pos:
+            return min(left, cap)
+        return min(left + 1 + self.run_at(after, cap - left - 1), cap)
+
 
 def measure_tables(args: argparse.Namespace, kmax: int, max_seqs: int) -> tuple[dict, dict]:
     shape = dict(SHAPES[args.shape])
@@ -89,14 +109,34 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
             ks = [0] * len(ids)
         elif policy == "phase":
             ks = [min(PHASE_K[r["phase"]], kmax, max(rm, 0)) for r, rm in zip(rows, room)]
-        elif policy == "auto":
-            ks = auto.choose([str(i) for i in ids], [r["phase"] for r in rows], [max(rm, 0) for rm in room])
+        elif policy == "oracle":  # the ceiling: each step's accepted drafts known in advance
+            runs = [traces[i].run_at(live[i], kmax) for i in ids]
+            caps = [max(rm, 0) for rm in room]
+
+            def rate(d: int) -> float:
+                ks_d = [min(d, c) for c in caps]
+                return (len(ids) + sum(min(r, k) for r, k in zip(runs, ks_d))) / cost.seconds(ks_d)
+
+            depth = max(range(kmax + 1), key=rate)
+            ks = [min(depth, c) for c in caps]
+        elif policy in ("auto", "auto-noconf"):
+            names = [str(i) for i in ids]
+            drafted = auto.choose(names, [r["phase"] for r in rows], [max(rm, 0) for rm in room])
+            ks = drafted
+            if policy == "auto" and auto.cut_can_pay(drafted):
+                # The drafter's confidence for the tokens it would draft here: the recorded
+                # verify's, from the step's offset into it (None where nothing was recorded).
+                confs = []
+                for i, r, d in zip(ids, rows, drafted):
+                    conf = (r.get("confidence") or [])[live[i] - r["pos"]:][:d]
+                    confs.append(conf if len(conf) == d and d else None)
+                ks = auto.refine(names, drafted, confs)
         else:
             ks = [min(int(policy), max(rm, 0)) for rm in room]
-        t = cost.seconds(ks)
+        t = cost.seconds(ks, drafted if policy.startswith("auto") else None)
         for i, r, k in zip(ids, rows, ks):
-            got = min(r["accepted"], k)
-            if policy == "auto" and k:
+            got = traces[i].run_at(live[i], k) if k else 0
+            if policy.startswith("auto") and k:
                 auto.observe(str(i), k, got)
             step_tokens = min(1 + got, traces[i].length - live[i])
             live[i] += step_tokens
@@ -105,8 +145,8 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
             if live[i] >= traces[i].length:
                 del live[i]
                 auto.remove(str(i))
-        if policy == "auto":
-            auto.observe_step(ks, ks, t)
+        if policy.startswith("auto"):
+            auto.observe_step(ks, drafted, t)
         seconds += t
         steps += 1
     return {"tok_s": tokens / seconds, "tokens": tokens, "steps": steps, "k": dict(sorted(ks_seen.items()))}
@@ -135,7 +175,7 @@ def main() -> None:
     for b in sorted({b for b, _ in verify}):
         print(f"  {b:>3}: " + " ".join(f"{verify[(b, q)] * 1e3:7.3f}" for q in range(1, kmax + 2))
               + "   drafter d=1..: " + " ".join(f"{draft[(b, d)] * 1e3:6.3f}" for d in range(1, kmax + 1)))
-    policies = ["none", *[str(k) for k in range(1, kmax + 1)], "phase", "auto"]
+    policies = ["none", *[str(k) for k in range(1, kmax + 1)], "phase", "auto-noconf", "auto", "oracle"]
     report = {"replayed": True, "shape": args.shape, "layers": args.layers, "kmax": kmax, "requests": len(traces),
               "verify_ms": {f"{b},{q}": t * 1e3 for (b, q), t in verify.items()},
               "draft_ms": {f"{b},{d}": t * 1e3 for (b, d), t in draft.items()}, "results": {}}
@@ -148,8 +188,10 @@ def main() -> None:
         line = "  ".join(f"{'K=' + p if p.isdigit() else p} {r['tok_s']:.0f} ({r['tok_s'] / base:.2f}x)"
                          for p, r in res.items())
         print(f"conc {c:>2}: {line}")
-        print(f"         best fixed K={best_fixed}; auto / best fixed = {res['auto']['tok_s'] / res[best_fixed]['tok_s']:.3f},"
-              f" auto / phase = {res['auto']['tok_s'] / res['phase']['tok_s']:.3f}; auto K counts {res['auto']['k']}")
+        top = res[best_fixed]["tok_s"]
+        print(f"         best fixed K={best_fixed}; auto / best fixed = {res['auto']['tok_s'] / top:.3f},"
+              f" auto / phase = {res['auto']['tok_s'] / res['phase']['tok_s']:.3f}, oracle / best fixed = "
+              f"{res['oracle']['tok_s'] / top:.3f}; auto K counts {res['auto']['k']}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

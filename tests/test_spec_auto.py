@@ -193,3 +193,22 @@ def test_drafters_under_auto_are_token_identical(method, demo_prompts):
     assert counter(llm.engine, "spec_decode_num_accepted_tokens") > 0
     cost = llm.engine.spec.auto.cost
     assert cost.draft and {d for _, d in cost.draft} == {1, 2, 3}  # the drafter's times were measured
+
+
+def test_acceptance_is_conditioned_on_whether_the_last_draft_was_accepted_whole():
+    # Predictable text comes in runs: after a draft accepted whole the next is likely accepted
+    # too (0.95 a position), after a rejection it is not (0.25). One request, both contexts.
+    truth = {True: [0.95] * 4, False: [0.25] * 4}
+    assert best_k(truth[True], GPU1) == 4 and best_k(truth[False], GPU1) == 1
+    auto, rng = AutoK(4, (1, 2, 3, 4), GPU1), random.Random(5)
+    in_run, chosen = True, {True: [], False: []}
+    for _ in range(600):
+        (k,) = auto.choose(["r"], ["content"], [9])
+        chosen[in_run].append(k)
+        if k:
+            n = verify(rng, truth[in_run], k)
+            auto.observe("r", k, n)
+            in_run = n == k
+    late = {ctx: ks[len(ks) // 2 :] for ctx, ks in chosen.items()}
+    assert late[True].count(4) > 0.85 * len(late[True])
+    assert late[False].count(1) > 0.85 * len(late[False])

@@ -59,6 +59,7 @@ class EngineMetrics:
         self.spec_step_measured = Counter("tandem:spec_decode_step_measured_seconds",
                                           "Measured seconds of those steps.", labels, registry=r)
         self.model_name = model_name
+        self._step_children: tuple | None = None
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
         return metric.labels(model_name=self.model_name)
@@ -80,10 +81,15 @@ class EngineMetrics:
         self.spec_k.labels(model_name=self.model_name, phase=phase, k=str(k)).inc()
 
     def count_step_time(self, predicted: float, measured: float) -> None:
-        """One step whose time the K controller predicted."""
-        self.label(self.spec_steps_timed).inc()
-        self.label(self.spec_step_predicted).inc(predicted)
-        self.label(self.spec_step_measured).inc(measured)
+        """One step whose time the K controller predicted (every step under adaptive auto: the
+        labelled children are looked up once)."""
+        if self._step_children is None:
+            self._step_children = tuple(self.label(m) for m in (self.spec_steps_timed, self.spec_step_predicted,
+                                                               self.spec_step_measured))
+        steps, pred, meas = self._step_children
+        steps.inc()
+        pred.inc(predicted)
+        meas.inc(measured)
 
 
 @dataclass

@@ -308,14 +308,19 @@ def choose_ks(
         tokens = n + sum(expected[r][k] for r, k in enumerate(ks))
         return tokens / cost.seconds(ks, drafted, include_draft=not spent)
 
+    top = allowed[-1]
+    floor = [max(d for d in allowed if d <= k) for k in range(top + 1)]  # the largest allowed <= k
+
     def fit(k: int, cap: int) -> int:  # the largest allowed depth <= min(k, cap)
-        return max(d for d in allowed if d <= min(k, cap))
+        return floor[min(k, cap, top)]
 
     have_previous = previous is not None and len(previous) == n
     start = [fit(k, c) for k, c in zip(previous, caps)] if have_previous else [0] * n
     ks, best = list(start), g(start)
+    start_g = best
+    uncapped = all(c >= top for c in caps)
     for d in allowed:
-        uniform = [fit(d, c) for c in caps]
+        uniform = [d] * n if uncapped else [fit(d, c) for c in caps]
         gu = g(uniform)
         if gu > best * (1 + 1e-9):
             ks, best = uniform, gu
@@ -330,7 +335,7 @@ def choose_ks(
                 gt = g(trial)
                 if gt > best * (1 + 1e-9):
                     ks, best, improved = trial, gt, True
-    if have_previous and best <= g(start) * (1 + hysteresis):
+    if have_previous and best <= start_g * (1 + hysteresis):
         return start
     return ks
 
