@@ -173,9 +173,12 @@ def main() -> None:
         print(f"built {name} in {time.perf_counter() - t:.1f} s", flush=True)
     results: dict[str, dict[int, list[float]]] = {n: {c: [] for c in levels} for n in table}
     details: dict[str, dict[int, dict]] = {n: {} for n in table}
+    names = list(llms)
     for r in range(args.rounds):
         for c in levels:
-            for name, llm in llms.items():
+            # A different order each round: a configuration is not always the one after another.
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                llm = llms[name]
                 before = counters(llm)
                 tokens, seconds = run_level(llm, prompts, c, args.max_tokens)
                 after = counters(llm)
@@ -185,18 +188,28 @@ def main() -> None:
                 print(f"round {r + 1} conc {c:>2} {name:<18} {tokens / seconds:8.1f} tok/s ({tokens} tokens)", flush=True)
     report = {"rounds": args.rounds, "prompts": len(prompts), "max_tokens": args.max_tokens, "device": args.device,
               "results": {}}
-    print(f"\nmedian tok/s over {args.rounds} rounds (ratio to no speculation)")
+    print(f"\nmedian tok/s over {args.rounds} rounds (median of each round's ratio to no speculation in that round)")
     print(f"{'config':<18}" + "".join(f"{'conc ' + str(c):>18}" for c in levels))
     for name in table:
         row = f"{name:<18}"
         report["results"][name] = {}
         for c in levels:
             med = statistics.median(results[name][c])
-            base = statistics.median(results["none"][c]) if "none" in results else med
-            row += f"{med:10.1f} ({med / base:4.2f}x)"
-            report["results"][name][c] = {"tok_s": results[name][c], "median": med, "vs_none": med / base,
+            base = results["none"][c] if "none" in results else results[name][c]
+            ratio = statistics.median(x / b for x, b in zip(results[name][c], base))
+            row += f"{med:10.1f} ({ratio:4.2f}x)"
+            report["results"][name][c] = {"tok_s": results[name][c], "median": med, "vs_none": ratio,
                                           **details[name].get(c, {})}
         print(row)
+    for name, llm in llms.items():  # what auto measured and learned: replayable as a cost model
+        auto = llm.engine.spec.auto if llm.engine.spec is not None else None
+        if auto is not None:
+            cost = auto.cost
+            report.setdefault("auto_cost", {})[name] = {
+                "verify": {f"{b},{q}": t for (b, q), t in cost.verify.items()},
+                "draft": {f"{b},{d}": t for (b, d), t in cost.draft.items()},
+                "residual": {f"{b},{q}": cost.learned([q - 1] * b) for b, q in cost.verify}}
+            print(f"{name}: step costs (ms, measured at start-up, refined by real steps)\n{cost.table()}")
     for name in table:
         for c in levels:
             d = details[name].get(c, {})

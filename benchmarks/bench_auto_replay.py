@@ -161,6 +161,9 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--repeat", type=int, default=3, help="times the trace set is run through (default 3)")
+    ap.add_argument("--cost-from", default=None, metavar="AUTO_JSON:CONFIG",
+                    help="use the step costs a bench_auto.py auto configuration learned (e.g. auto.json:'dspark auto') "
+                         "instead of measuring the large target")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = json.loads(Path(args.traces).read_text())
@@ -170,7 +173,17 @@ def main() -> None:
         by_request.setdefault(row["request"], []).append(row)
     traces = [Trace(rows) for rows in by_request.values()] * args.repeat
     levels = [int(c) for c in args.concurrency.split(",")]
-    verify, draft = measure_tables(args, kmax, max(levels))
+    if args.cost_from:
+        # The step costs an auto run of bench_auto.py measured and learned (its host time
+        # included): the live demo pair's own costs, for its ceiling.
+        path, _, name = args.cost_from.partition(":")
+        learned = json.loads(Path(path).read_text())["auto_cost"][name]
+        parse = lambda d: {tuple(map(int, k.split(","))): v for k, v in d.items()}  # noqa: E731
+        verify, draft = parse(learned["verify"]), parse(learned["draft"])
+        for key, extra in parse(learned["residual"]).items():
+            verify[key] = verify.get(key, 0.0) + extra
+    else:
+        verify, draft = measure_tables(args, kmax, max(levels))
     print("measured step ms (batch: q=1..):")
     for b in sorted({b for b, _ in verify}):
         print(f"  {b:>3}: " + " ".join(f"{verify[(b, q)] * 1e3:7.3f}" for q in range(1, kmax + 2))

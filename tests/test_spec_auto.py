@@ -212,3 +212,22 @@ def test_acceptance_is_conditioned_on_whether_the_last_draft_was_accepted_whole(
     late = {ctx: ks[len(ks) // 2 :] for ctx, ks in chosen.items()}
     assert late[True].count(4) > 0.85 * len(late[True])
     assert late[False].count(1) > 0.85 * len(late[False])
+
+
+def test_a_costly_catch_up_spaces_the_probes_out_of_k0():
+    # Nothing is ever accepted: K = 0, with probes. A draft model's probe out of K = 0 also pays
+    # for catching up on the skipped tokens; once that is learned, probes come far less often.
+    truth = {"content": [0.0] * 4}
+
+    def probes(auto: AutoK, steps: int) -> int:
+        history = run(auto, truth, {"x": lambda step: "content"}, steps, seed=2)
+        return sum(1 for h in history[40:] if h[0] > 0)
+
+    cheap = AutoK(4, (1, 2, 3, 4), GPU1)
+    dear = AutoK(4, (1, 2, 3, 4), GPU1)
+    for _ in range(10):  # steps that caught up took 5 steps' time
+        dear.observe_catch_up([1], [1], 5.0)
+    assert dear.catch_up > 3.0
+    n_cheap, n_dear = probes(cheap, 840), probes(dear, 840)
+    assert n_cheap >= 800 // 40  # every ~18 steps (an 18% dearer step, 1% of the time)
+    assert n_dear <= 2  # every ~500 steps

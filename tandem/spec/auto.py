@@ -19,7 +19,9 @@ phase judged not worth drafting at all, K = 0) would never be looked at again. L
 than `MIN_EVIDENCE` verifies of the phase (decayed, pooled over its requests) tried position K + 1,
 every step probes it: two early rejections must not end drafting for good. Probes are spaced so that
 they cost at most `PROBE_BUDGET` of the time (a probe that makes its step twice as slow waits
-longer than one that adds 8%); drafting is lossless, so a probe changes speed only.
+longer than one that adds 8%; a draft model's probe out of K = 0 also pays its catch-up over the
+tokens it skipped, learned from the steps that did it); drafting is lossless, so a probe changes
+speed only.
 
 Predictions are kept for what the stats line and /metrics show against what happened: each
 draft's expected accepted tokens, and each step's predicted seconds.
@@ -37,6 +39,7 @@ logger = logging.getLogger("tandem")
 
 PROBE_EVERY = 16  # steps at one K after which a request drafts one captured depth deeper, once
 PROBE_BUDGET = 0.01  # the share of step time probes may cost
+CATCH_UP_SMOOTHING = 0.3
 REFINE_MIN_GAIN = 0.05  # a confidence cut is tried when one verify token less saves this share
 MIN_EVIDENCE = 8.0  # verifies of a phase that tried a position before K may stop short of it
 RUN = "+run"  # the statistics' key suffix of a request whose last draft was accepted whole
@@ -109,6 +112,7 @@ class AutoK:
         self._previous: dict[str, int] = {}
         self._same_steps: dict[str, int] = {}  # steps in a row at the same K
         self._in_run: dict[str, bool] = {}  # whether the request's last verify accepted its whole draft
+        self.catch_up = 0.0  # learned: the extra seconds of a step whose drafter caught up (observe_catch_up)
         self._pending: dict[str, _Pending] = {}
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
@@ -138,7 +142,7 @@ class AutoK:
         that makes its step 8% slower (a GPU verify token) every PROBE_EVERY steps, one that
         doubles it (a drafter dearer than the target) every 100."""
         base = self.cost.seconds(ks)
-        probe = self.cost.seconds([*ks[:i], deeper, *ks[i + 1 :]])
+        probe = self.cost.seconds([*ks[:i], deeper, *ks[i + 1 :]]) + (self.catch_up if ks[i] == 0 else 0.0)
         return (probe - base) / max(base, 1e-12) / PROBE_BUDGET
 
     def refine(self, ids: Sequence[str], drafted: Sequence[int], confidences: Sequence[Sequence[float] | None]
@@ -191,6 +195,13 @@ class AutoK:
         prediction = StepPrediction(self.cost.seconds(ks, drafted), seconds)
         self.cost.observe(ks, seconds, drafted)
         return prediction
+
+    def observe_catch_up(self, ks: Sequence[int], drafted: Sequence[int], seconds: float) -> None:
+        """A step in which the drafter first caught up on tokens it skipped (a draft model after
+        steps at K = 0: an eager forward over them) took `seconds`: what it took beyond the
+        model's prediction is what a probe out of K = 0 costs on top (`_probe_interval`)."""
+        extra = max(seconds - self.cost.seconds(ks, drafted), 0.0)
+        self.catch_up = (1 - CATCH_UP_SMOOTHING) * self.catch_up + CATCH_UP_SMOOTHING * extra
 
     def remove(self, request_id: str) -> None:
         self.stats.remove(request_id)

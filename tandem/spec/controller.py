@@ -278,15 +278,19 @@ class SpecDecoder:
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> StepPrediction | None:
         """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies
-        only refines the cost model and returns its prediction; one with prefill work, the
-        target's or the drafter's (its cost is not the model's), returns None."""
+        refines the cost model and returns its prediction; one with prefill work (its cost is not
+        the model's) returns None: the target's is not learned from, the drafter's (a draft model
+        catching up after steps at K = 0) is what resuming costs (`AutoK.observe_catch_up`)."""
         prefilled, self._drafter_prefilled = self._drafter_prefilled, False
-        if self.auto is None or not sched.scheduled or prefilled:  # a draft model's prompt catch-up
+        if self.auto is None or not sched.scheduled:
             return None
         if any(s.num_tokens != 1 + len(s.draft) or not s.samples for s in sched.scheduled):
             return None
         ks = [len(s.draft) for s in sched.scheduled]
         drafted = [self._drafted.get(s.request.request_id, 0) for s in sched.scheduled]
+        if prefilled:  # a draft model catching up on tokens it skipped while K was 0
+            self.auto.observe_catch_up(ks, drafted, seconds)
+            return None
         return self.auto.observe_step(ks, drafted, seconds)
 
     def _log_k_change(self, request_id: str, old: int, new: int, phase: Phase) -> None:
