@@ -75,6 +75,36 @@ def counters(llm: LLM) -> dict[tuple, float]:
     return snap
 
 
+class StageClock:
+    """Seconds spent in the engine's speculative stage (propose, observe, the step timing), by
+    wrapping those methods of one engine: the host work a K policy adds per step."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds: dict[str, float] = {}
+        eng = llm.engine
+        if eng.spec is None:
+            return
+        for owner, name in ((eng.spec, "propose"), (eng.spec, "observe"), (eng, "_time_step"),
+                            (eng, "_count_spec_step"), (eng, "_count_draft")):
+            self._wrap(owner, name)
+
+    def _wrap(self, owner: object, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+
 def run_level(llm: LLM, prompts: list[list[int]], conc: int, max_tokens: int) -> tuple[int, float]:
     """Keep `conc` requests in flight until every prompt is done; (output tokens, seconds)."""
     eng = llm.engine
@@ -156,6 +186,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--only", default=None, help="comma-separated configuration names to run (default all)")
+    ap.add_argument("--stage-clock", action="store_true",
+                    help="time the speculative stage's host work per configuration (propose, observe, counters)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--traces", default=None, help="also record DSpark K=kmax verify traces here")
     args = ap.parse_args()
@@ -164,12 +196,13 @@ def main() -> None:
     table = configs(args.methods.split(","), args.kmax)
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
-    llms = {}
+    llms, clocks = {}, {}
     for name, spec in table.items():
         t = time.perf_counter()
         llms[name] = LLM(str(demo_model_dir()), device=args.device, max_num_seqs=max(levels), kv_cache_memory="1GiB",
                          speculative_config=spec)
         llms[name].generate(prompts[:2], SamplingParams(max_tokens=32, temperature=0.0))  # warm-up
+        clocks[name] = StageClock(llms[name]) if args.stage_clock else None
         print(f"built {name} in {time.perf_counter() - t:.1f} s", flush=True)
     results: dict[str, dict[int, list[float]]] = {n: {c: [] for c in levels} for n in table}
     details: dict[str, dict[int, dict]] = {n: {} for n in table}
@@ -183,8 +216,11 @@ def main() -> None:
                 tokens, seconds = run_level(llm, prompts, c, args.max_tokens)
                 after = counters(llm)
                 results[name][c].append(tokens / seconds)
+                stage = clocks[name].take() if clocks[name] is not None else {}
                 if r == args.rounds - 1:
                     details[name][c] = summarize({k: v - before.get(k, 0.0) for k, v in after.items()})
+                    if stage:  # ms of host work in the speculative stage, per timed step
+                        details[name][c]["stage_s"] = {k: round(v, 4) for k, v in stage.items()}
                 print(f"round {r + 1} conc {c:>2} {name:<18} {tokens / seconds:8.1f} tok/s ({tokens} tokens)", flush=True)
     report = {"rounds": args.rounds, "prompts": len(prompts), "max_tokens": args.max_tokens, "device": args.device,
               "results": {}}
@@ -208,7 +244,7 @@ def main() -> None:
             report.setdefault("auto_cost", {})[name] = {
                 "verify": {f"{b},{q}": t for (b, q), t in cost.verify.items()},
                 "draft": {f"{b},{d}": t for (b, d), t in cost.draft.items()},
-                "residual": {f"{b},{q}": cost.learned([q - 1] * b) for b, q in cost.verify}}
+                "residual": {f"{b},{q}": cost.learned([q - 1] * b) for b, q in cost.verify}}  # per (bucket, q)
             print(f"{name}: step costs (ms, measured at start-up, refined by real steps)\n{cost.table()}")
     for name in table:
         for c in levels:

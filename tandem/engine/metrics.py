@@ -60,6 +60,7 @@ class EngineMetrics:
                                           "Measured seconds of those steps.", labels, registry=r)
         self.model_name = model_name
         self._step_children: tuple | None = None
+        self._predicted_children: dict[str, Counter] = {}
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
         return metric.labels(model_name=self.model_name)
@@ -68,8 +69,11 @@ class EngineMetrics:
         """One verified draft of `num_draft` tokens whose first `num_accepted` were accepted
         (`expected`: the accepted tokens the K controller predicted, with adaptive auto)."""
         labels = {"model_name": self.model_name, "phase": phase}
-        if expected is not None:
-            self.spec_predicted_accepted.labels(**labels).inc(expected)
+        if expected is not None:  # every draft under adaptive auto: the child is looked up once
+            child = self._predicted_children.get(phase)
+            if child is None:
+                child = self._predicted_children[phase] = self.spec_predicted_accepted.labels(**labels)
+            child.inc(expected)
         self.spec_drafts.labels(**labels).inc()
         self.spec_draft_tokens.labels(**labels).inc(num_draft)
         self.spec_accepted_tokens.labels(**labels).inc(num_accepted)

@@ -43,6 +43,7 @@ CATCH_UP_SMOOTHING = 0.3
 REFINE_MIN_GAIN = 0.05  # a confidence cut is tried when one verify token less saves this share
 MIN_EVIDENCE = 8.0  # verifies of a phase that tried a position before K may stop short of it
 RUN = "+run"  # the statistics' key suffix of a request whose last draft was accepted whole
+REFRESH_STEPS = 8  # steps a request's choice in a context is reused before the batch is searched again
 CONFIDENCE_BINS = 10
 CONFIDENCE_WEIGHT = 8.0  # pseudo-observations of the raw confidence in each bin's calibration
 
@@ -109,11 +110,17 @@ class AutoK:
         self.cost = cost
         self.stats = AcceptanceStats(max_k)
         self.calibration = ConfidenceCalibration()
-        self._previous: dict[str, int] = {}
-        self._same_steps: dict[str, int] = {}  # steps in a row at the same K
+        # Per request and statistics key (phase and context): the K chosen there last (what
+        # hysteresis compares with) and how many visits in a row chose it (probes count them).
+        self._previous: dict[str, dict[str, int]] = {}
+        self._same_steps: dict[str, dict[str, int]] = {}
         self._in_run: dict[str, bool] = {}  # whether the request's last verify accepted its whole draft
         self.catch_up = 0.0  # learned: the extra seconds of a step whose drafter caught up (observe_catch_up)
         self._pending: dict[str, _Pending] = {}
+        self._step = 0
+        self._searched = -REFRESH_STEPS  # the step of the last search
+        self._can_cut: dict[tuple[int, int, int], tuple[int, bool]] = {}  # see cut_can_pay
+        self._choice: dict[tuple[str, str], tuple[int, int, list[float]]] = {}  # (id, key) -> (step, K, rates)
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
         """Each request's K for this step (0 .. its limit, from 0 and the captured depths)."""
@@ -122,18 +129,35 @@ class AutoK:
         # traces the first draft token is accepted 83% of the time after a full accept, 65% after
         # a rejection).
         keys = [phase + (RUN if self._in_run.get(rid, True) else "") for rid, phase in zip(ids, phases)]
-        priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
-        rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]
-        previous = [self._previous.get(rid, 0) for rid in ids]
-        ks = choose_ks(rates, self.depths, self.cost, previous, limits)
+        # The batch is searched every REFRESH_STEPS steps; in between, each request takes the
+        # choice last searched for it in its context: the estimates move by a few percent in
+        # that time, and the search is most of the controller's host time per step (which a small
+        # GPU step notices). A request without a choice for its context (new, or never searched
+        # in it), or past its limit, makes the batch searched at once.
+        self._step += 1
+        cached = [self._choice.get((rid, key)) for rid, key in zip(ids, keys)]
+        if self._step - self._searched < REFRESH_STEPS and all(
+                c is not None and c[1] <= limit for c, limit in zip(cached, limits)):
+            ks, rates = [c[1] for c in cached], [c[2] for c in cached]
+        else:
+            self._searched = self._step
+            priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
+            rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]
+            previous = [self._previous.get(rid, {}).get(key, 0) for rid, key in zip(ids, keys)]
+            ks = choose_ks(rates, self.depths, self.cost, previous, limits)
+            for rid, key, k, r in zip(ids, keys, ks, rates):
+                self._choice[(rid, key)] = (self._step, k, r)
         for i, (rid, k) in enumerate(zip(ids, ks)):
-            same = self._same_steps.get(rid, 0) + 1 if k == self._previous.get(rid) else 1
+            prev, counts = self._previous.setdefault(rid, {}), self._same_steps.setdefault(rid, {})
+            same = counts.get(keys[i], 0) + 1 if k == prev.get(keys[i]) else 1
             deeper = [d for d in self.depths if k < d <= limits[i]]
             thin = bool(deeper) and self.stats.phase_tries(keys[i], k + 1) < MIN_EVIDENCE
             if deeper and (thin or (same >= PROBE_EVERY and same >= self._probe_interval(ks, i, deeper[0]))):
                 ks[i], same = deeper[0], 0  # the next captured depth up, once
-            self._same_steps[rid] = same
-            self._previous[rid] = k  # the choice, not the probe: hysteresis compares with it
+            counts[keys[i]] = same
+            prev[keys[i]] = k  # the choice, not the probe: hysteresis compares with it
+            if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
+                self._in_run[rid] = True
             self._pending[rid] = _Pending(phases[i], keys[i], rates[i])
         return ks
 
@@ -170,9 +194,14 @@ class AutoK:
         deepest = max(drafted, default=0)
         if deepest <= 0:
             return False
+        key = (len(drafted), deepest, sum(1 for k in drafted if k))
+        hit = self._can_cut.get(key)
+        if hit is not None and self._step - hit[0] < REFRESH_STEPS:  # the cost moves slowly
+            return hit[1]
         full = self.cost.seconds(drafted, drafted, include_draft=False)
         shorter = self.cost.seconds([min(k, deepest - 1) for k in drafted], drafted, include_draft=False)
-        return full - shorter > REFINE_MIN_GAIN * full
+        self._can_cut[key] = (self._step, full - shorter > REFINE_MIN_GAIN * full)
+        return self._can_cut[key][1]
 
     def expected(self, request_id: str, num_draft: int) -> float:
         """The expected accepted tokens of the request's current draft cut to num_draft."""
@@ -192,9 +221,7 @@ class AutoK:
     def observe_step(self, ks: Sequence[int], drafted: Sequence[int], seconds: float) -> StepPrediction:
         """A decode / verify step of these ks (the drafter having run at `drafted`) took `seconds`:
         returns what was predicted for it, then refines the cost."""
-        prediction = StepPrediction(self.cost.seconds(ks, drafted), seconds)
-        self.cost.observe(ks, seconds, drafted)
-        return prediction
+        return StepPrediction(self.cost.observe(ks, seconds, drafted), seconds)
 
     def observe_catch_up(self, ks: Sequence[int], drafted: Sequence[int], seconds: float) -> None:
         """A step in which the drafter first caught up on tokens it skipped (a draft model after
@@ -205,6 +232,8 @@ class AutoK:
 
     def remove(self, request_id: str) -> None:
         self.stats.remove(request_id)
+        for key in [key for key in self._choice if key[0] == request_id]:
+            del self._choice[key]
         self._previous.pop(request_id, None)
         self._same_steps.pop(request_id, None)
         self._in_run.pop(request_id, None)

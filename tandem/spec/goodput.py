@@ -55,28 +55,41 @@ OUTLIER_FACTOR = 2.0  # a measured step counts as at most this many times its pr
 
 @dataclass
 class _Counts:
-    """Decayed accept and try counts per draft position (index 0: position 1)."""
+    """Decayed accept and try counts per draft position (index 0: position 1).
+
+    Stored scaled: the true decayed counts are `accepted[i] / scale`, `tried[i] / scale`. Each
+    observation divides the decay into `scale` and adds `scale`, which ages every older count by
+    one decay without touching it (an observation costs its positions, not the whole list)."""
 
     accepted: list[float] = field(default_factory=list)
     tried: list[float] = field(default_factory=list)
+    scale: float = 1.0
 
     def add(self, num_draft: int, num_accepted: int, decay: float) -> None:
-        self.accepted = [a * decay for a in self.accepted]
-        self.tried = [t * decay for t in self.tried]
+        self.scale /= decay
+        if self.scale > 1e12:  # renormalise long before a float runs out
+            self.accepted = [a / self.scale for a in self.accepted]
+            self.tried = [t / self.scale for t in self.tried]
+            self.scale = 1.0
+        w = self.scale
         reached = min(num_accepted + 1, num_draft)  # positions the verify tells something about
         while len(self.tried) < reached:
             self.accepted.append(0.0)
             self.tried.append(0.0)
         for i in range(reached):
-            self.tried[i] += 1.0
+            self.tried[i] += w
             if i < num_accepted:
-                self.accepted[i] += 1.0
+                self.accepted[i] += w
+
+    def tries(self, i: int) -> float:
+        return self.tried[i] / self.scale if i < len(self.tried) else 0.0
 
     def rate(self, i: int, prior: float, weight: float) -> float:
         """The conditional acceptance of position i+1, shrunk towards `prior` by `weight`."""
         a = self.accepted[i] if i < len(self.accepted) else 0.0
         t = self.tried[i] if i < len(self.tried) else 0.0
-        return (a + weight * prior) / (t + weight)
+        ws = weight * self.scale
+        return (a + ws * prior) / (t + ws)
 
 
 class AcceptanceStats:
@@ -120,8 +133,7 @@ class AcceptanceStats:
         """The decayed number of verifies of this phase that tried draft position `position`
         (1-based): how much evidence its rate rests on."""
         counts = self._phase.get(phase)
-        i = position - 1
-        return counts.tried[i] if counts is not None and i < len(counts.tried) else 0.0
+        return counts.tries(position - 1) if counts is not None else 0.0
 
     def rates(self, request_id: str, phase: str, prior: Sequence[float] | None = None) -> list[float]:
         """a_1 .. a_Kmax for one request in its phase: its own counts shrunk to the phase prior
@@ -172,7 +184,9 @@ class StepCost:
     What the tables miss in a real step — host work (scheduling, sampling, detokenizing), longer
     contexts than the measuring shapes, a drafter's per-forward Python — is learned online:
     `observe` keeps an exponential average (`smoothing`) of measured minus modelled seconds per
-    (bucket, q), falling back to the bucket's average for a q not seen yet.
+    bucket and whether the drafter ran. Not per query length: host work hardly depends on it (the
+    tables carry what does), and a per-q estimate rests on the few steps that visited that q, so
+    one slow step could make a depth look dear for good.
     """
 
     verify: dict[tuple[int, int], float]
@@ -193,8 +207,7 @@ class StepCost:
         self._draft_by_depth: dict[int, list[tuple[float, float]]] = {}
         for (b, d), t in sorted(self.draft.items()):
             self._draft_by_depth.setdefault(d, []).append((b, t))
-        self.residual: dict[tuple[int, int], float] = {}  # (bucket, q) -> learned seconds
-        self._bucket_residual: dict[int, float] = {}
+        self.residual: dict[tuple[int, bool], float] = {}  # (bucket, drafter ran) -> learned seconds
 
     @property
     def uniform_is_optimal(self) -> bool:
@@ -233,30 +246,29 @@ class StepCost:
             t += d
         return t + (self.extra(ks) if self.extra else 0.0)
 
-    def learned(self, ks: Sequence[int]) -> float:
-        key = (self.bucket(len(ks)), 1 + max(ks, default=0))
-        if key in self.residual:
-            return self.residual[key]
-        return self._bucket_residual.get(key[0], 0.0)
+    def _residual_key(self, ks: Sequence[int], drafted: Sequence[int] | None) -> tuple[int, bool]:
+        return self.bucket(len(ks)), any(ks if drafted is None else drafted)
+
+    def learned(self, ks: Sequence[int], drafted: Sequence[int] | None = None) -> float:
+        """The learned host seconds of a step like this (see the class docstring)."""
+        return self.residual.get(self._residual_key(ks, drafted), 0.0)
 
     def seconds(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
         """Predicted seconds of the step (see `modelled`), with what was learned online."""
-        return self.modelled(ks, drafted, include_draft) + self.learned(ks)
+        return self.modelled(ks, drafted, include_draft) + self.learned(ks, drafted)
 
-    def observe(self, ks: Sequence[int], seconds: float, drafted: Sequence[int] | None = None) -> None:
-        """A real step verifying ks (drafted at `drafted`) took `seconds`: refine the residual."""
+    def observe(self, ks: Sequence[int], seconds: float, drafted: Sequence[int] | None = None) -> float:
+        """A real step verifying ks (drafted at `drafted`) took `seconds`: refine the residual.
+        Returns what was predicted for it."""
         modelled = self.modelled(ks, drafted)
-        key = (self.bucket(len(ks)), 1 + max(ks, default=0))
-        a = self.smoothing
-        bucket_old = self._bucket_residual.get(key[0], 0.0)
-        old = self.residual.get(key, bucket_old)
+        key = self._residual_key(ks, drafted)
+        old = self.residual.get(key, 0.0)
         # One slow step (a page fault, a long stall) counts as at most OUTLIER_FACTOR times the
         # prediction: a persistent change is still learned within a few dozen steps (each may
-        # double the estimate), an outlier is not frozen into a key the controller then avoids
-        # (and so never measures again).
+        # double the estimate), an outlier is not frozen into the estimate.
         err = min(seconds, OUTLIER_FACTOR * (modelled + old)) - modelled
-        self._bucket_residual[key[0]] = (1 - a) * bucket_old + a * err
-        self.residual[key] = (1 - a) * old + a * err
+        self.residual[key] = (1 - self.smoothing) * old + self.smoothing * err
+        return modelled + old
 
     def table(self) -> str:
         """The measured verify (and drafter) times in ms, one line per bucket: for the start-up log."""
