@@ -164,6 +164,8 @@ def main() -> None:
     ap.add_argument("--cost-from", default=None, metavar="AUTO_JSON:CONFIG",
                     help="use the step costs a bench_auto.py auto configuration learned (e.g. auto.json:'dspark auto') "
                          "instead of measuring the large target")
+    ap.add_argument("--tables", default=None, metavar="REPLAY_JSON",
+                    help="use the step tables of a previous run's --out file instead of measuring")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = json.loads(Path(args.traces).read_text())
@@ -173,7 +175,13 @@ def main() -> None:
         by_request.setdefault(row["request"], []).append(row)
     traces = [Trace(rows) for rows in by_request.values()] * args.repeat
     levels = [int(c) for c in args.concurrency.split(",")]
-    if args.cost_from:
+    if args.tables:
+        # The step tables a previous run measured (its --out file): the simulation, which is
+        # deterministic, then runs anywhere, e.g. on a CPU machine after the GPU run.
+        measured = json.loads(Path(args.tables).read_text())
+        parse_ms = lambda d: {tuple(map(int, k.split(","))): v / 1e3 for k, v in d.items()}  # noqa: E731
+        verify, draft = parse_ms(measured["verify_ms"]), parse_ms(measured["draft_ms"])
+    elif args.cost_from:
         # The step costs an auto run of bench_auto.py measured and learned (its host time
         # included): the live demo pair's own costs, for its ceiling.
         path, _, name = args.cost_from.partition(":")
