@@ -248,3 +248,31 @@ def test_a_costly_catch_up_spaces_the_probes_out_of_k0():
     n_cheap, n_dear = probes(cheap, 840), probes(dear, 840)
     assert n_cheap >= 800 // 40  # every ~18 steps (an 18% dearer step, 1% of the time)
     assert n_dear <= 2  # every ~500 steps
+
+
+def test_a_draft_model_skips_prompts_auto_would_not_draft_for_and_catches_up_when_it_does(demo_prompts):
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO}, **COMMON)
+    spec = llm.engine.spec
+    auto = spec.auto
+    buckets = auto.cost.buckets
+    # Drafting never pays: a verify token costs ten steps; every phase has evidence of that.
+    auto.cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0} for b in buckets})
+    for phase in ("reasoning", "content", "tool_call"):
+        for _ in range(20):
+            auto.stats.observe("seed", phase + "+run", 2, 0)
+            auto.stats.observe("seed", phase, 2, 0)
+    def drafter_prefills() -> float:
+        return counter(llm.engine, "spec_decode_drafter_steps", mode="prefill")
+
+    before = drafter_prefills()
+    out = llm.generate(ids[:2], GREEDY)
+    assert [o.token_ids for o in out] == ref[:2]
+    assert drafter_prefills() == before  # no prompt was fed to the draft model
+    # Now drafting pays: the draft model catches up on a prompt it skipped, and stays lossless.
+    auto.cost = hand_cost({b: {1: 1.0, 2: 1.01, 3: 1.02} for b in buckets})
+    auto.stats = type(auto.stats)(auto.max_k)
+    before, prefills = counter(llm.engine, "spec_decode_num_drafts"), drafter_prefills()
+    out = llm.generate(ids[2:], GREEDY)
+    assert [o.token_ids for o in out] == ref[2:]
+    assert counter(llm.engine, "spec_decode_num_drafts") > before and drafter_prefills() > prefills

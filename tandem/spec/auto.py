@@ -120,6 +120,7 @@ class AutoK:
         self._step = 0
         self._searched = -REFRESH_STEPS  # the step of the last search
         self._can_cut: dict[tuple[int, int, int], tuple[int, bool]] = {}  # see cut_can_pay
+        self._drafts_now: dict[tuple[str, int], tuple[int, bool]] = {}  # see drafts_now
         self._choice: dict[tuple[str, str], tuple[int, int, list[float]]] = {}  # (id, key) -> (step, K, rates)
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
@@ -160,6 +161,21 @@ class AutoK:
                 self._in_run[rid] = True
             self._pending[rid] = _Pending(phases[i], keys[i], rates[i])
         return ks
+
+    def drafts_now(self, phase: str, batch: int) -> bool:
+        """Whether a request starting in `phase` would draft in a batch of this size, from the
+        phase's statistics (a phase with too little evidence yet counts as drafting: it would
+        be probed). For a drafter that can skip work for requests kept at K = 0."""
+        key = phase + RUN
+        if self.stats.phase_tries(key, 1) < MIN_EVIDENCE:
+            return True
+        memo = (key, batch)
+        hit = self._drafts_now.get(memo)
+        if hit is None or self._step - hit[0] >= REFRESH_STEPS:
+            rates = self.stats.phase_rates(key)
+            ks = choose_ks([rates] * max(batch, 1), self.depths, self.cost, hysteresis=0.0)
+            hit = self._drafts_now[memo] = (self._step, any(ks))
+        return hit[1]
 
     def _probe_interval(self, ks: Sequence[int], i: int, deeper: int) -> float:
         """Steps between probes, so that probing costs at most PROBE_BUDGET of the time: a probe

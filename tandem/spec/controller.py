@@ -268,13 +268,26 @@ class SpecDecoder:
         tokens less the rejected drafts), and forget the requests preempted this step."""
         kept = [s.num_tokens - len(s.draft) + min(accepted.get(s.request.request_id, 0), len(s.draft))
                 for s in sched.scheduled]
-        self.proposer.observe(sched.scheduled, kept, aux)
+        batch = sched.scheduled
+        if self.auto is not None and getattr(self.proposer, "prefill_is_optional", False):
+            # A drafter that catches up by itself (a draft model) skips the prompt of a request
+            # the controller would not draft for now: prefilling it alongside the target is
+            # time spent for nothing if the request never drafts.
+            keep = [i for i, s in enumerate(batch) if s.draft or s.num_tokens == 1 or self._drafts_now(s.request, len(batch))]
+            if len(keep) < len(batch):
+                batch, kept = [batch[i] for i in keep], [kept[i] for i in keep]
+        self.proposer.observe(batch, kept, aux)
         if self.auto is not None:
             for s in sched.scheduled:
                 if s.draft:
                     self.auto.observe(s.request.request_id, len(s.draft), accepted.get(s.request.request_id, 0))
         for req in sched.preempted:
             self.remove(req.request_id)
+
+    def _drafts_now(self, req: Request, batch: int) -> bool:
+        """auto: whether the controller would draft for this request in its phase now."""
+        assert self.auto is not None
+        return self.auto.drafts_now(self._track(req).tracker.phase, batch)
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> StepPrediction | None:
         """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies

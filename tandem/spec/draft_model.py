@@ -49,6 +49,10 @@ class DraftModelProposer:
     engine's sampler: the request's seeded one, or the shared one). count_forward(mode) is called
     once per drafter forward with the runner's mode (cuda_graph / eager / prefill; metrics)."""
 
+    # A prompt it was not shown is caught up on when the request first drafts (`_sync`), so the
+    # engine may skip feeding it prompts of requests that are not going to draft (adaptive auto).
+    prefill_is_optional = True
+
     def __init__(self, model: CausalLM, device: torch.device, max_batched_tokens: int,
                  generator_for: Callable[[Request], torch.Generator],
                  count_forward: Callable[[str], None] = lambda mode: None) -> None:
