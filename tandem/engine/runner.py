@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,20 @@ def _graphable(batch: list[ScheduledRequest]) -> bool:
     drafter catching up two tokens, a prompt's last 2-token chunk) replays the graph of its length;
     a chunk that samples nothing runs eagerly."""
     return all(s.samples for s in batch)
+
+
+def seconds_per_call(fn: Callable[[], object], device: torch.device, repeats: int, warm_up: bool = False) -> float:
+    """The mean seconds of fn() over `repeats` calls, the device synchronised around them (after
+    one untimed call with `warm_up`: an eager forward's first run pays for allocation)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device=None: None)
+    if warm_up:
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / repeats
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -254,26 +269,19 @@ class ModelRunner:
         max_b, max_q = max(b for b, _ in shapes), max(q for _, q in shapes)
         if not self.graphs:
             self._allocate_static(max_b, max_q, 2)
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device=None: None)
         times = {}
         for b, q in shapes:
             self._fill_static_pattern(b, q)
             self._seq[:b].fill_(q)  # the query's own positions: causal attention over q tokens
             if (b, q) in self.graphs:
-                run = self.graphs[(b, q)].graph.replay
-            else:
-                step, ids, pos = self._static_step(b, q), self._ids[: b * q], self._pos[: b * q]
+                times[(b, q)] = seconds_per_call(self.graphs[(b, q)].graph.replay, self.device, repeats)
+                continue
+            step, ids, pos = self._static_step(b, q), self._ids[: b * q], self._pos[: b * q]
 
-                def run() -> None:
-                    self.model.compute_logits(self._forward(ids, pos, step)[0])
+            def run() -> None:
+                self.model.compute_logits(self._forward(ids, pos, step)[0])
 
-                run()
-            sync(self.device)
-            start = time.perf_counter()
-            for _ in range(repeats):
-                run()
-            sync(self.device)
-            times[(b, q)] = (time.perf_counter() - start) / repeats
+            times[(b, q)] = seconds_per_call(run, self.device, repeats, warm_up=True)
         return times
 
     def _capture_one(self, b: int, q: int, pool: tuple[int, int]) -> _Graph:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core import Request
-from tandem.engine.runner import batch_buckets
+from tandem.engine.runner import batch_buckets, seconds_per_call
 from tandem.engine.scheduler import ScheduledRequest
 from tandem.spec.dspark import DSparkDrafter
 from tandem.spec.proposer import Draft
@@ -160,28 +160,21 @@ class DSparkProposer:
     def measure(self, buckets: Sequence[int], depths: Sequence[int], repeats: int = 5) -> dict[tuple[int, int], float]:
         """Seconds of one greedy block forward per (batch, depth): the captured graph's replay, or
         an eager forward on zero features (for the K controller's cost model)."""
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device=None: None)
         cfg, times = self.drafter.cfg, {}
         dtype = self.drafter.fc.weight.dtype
         for b in buckets:
             for depth in depths:
                 graph = self._graphs.get((b, depth, False))
                 if graph is not None:
-                    run = graph.graph.replay
-                else:
-                    feats = torch.zeros(b, cfg.window, cfg.feature_size, dtype=dtype, device=self.device)
-                    known = torch.zeros(b, dtype=torch.long, device=self.device)
+                    times[(b, depth)] = seconds_per_call(graph.graph.replay, self.device, repeats)
+                    continue
+                feats = torch.zeros(b, cfg.window, cfg.feature_size, dtype=dtype, device=self.device)
+                known = torch.zeros(b, dtype=torch.long, device=self.device)
 
-                    def run() -> None:
-                        self.drafter.draft_block(feats, known, depth)
+                def run() -> None:
+                    self.drafter.draft_block(feats, known, depth)
 
-                    run()
-                sync(self.device)
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    run()
-                sync(self.device)
-                times[(b, depth)] = (time.perf_counter() - start) / repeats
+                times[(b, depth)] = seconds_per_call(run, self.device, repeats, warm_up=True)
         return times
 
     def capture(self, max_num_seqs: int, max_model_len: int) -> None:
