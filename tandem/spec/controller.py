@@ -273,7 +273,8 @@ class SpecDecoder:
             # A drafter that catches up by itself (a draft model) skips the prompt of a request
             # the controller would not draft for now: prefilling it alongside the target is
             # time spent for nothing if the request never drafts.
-            keep = [i for i, s in enumerate(batch) if s.draft or s.num_tokens == 1 or self._drafts_now(s.request, len(batch))]
+            keep = [i for i, s in enumerate(batch)
+                    if s.draft or s.num_tokens == 1 or self._drafts_now(s.request, len(batch))]
             if len(keep) < len(batch):
                 batch, kept = [batch[i] for i in keep], [kept[i] for i in keep]
         self.proposer.observe(batch, kept, aux)
