@@ -1,7 +1,9 @@
 """The K policies on the demo pair, in one process, on a phase-alternating agentic mix: no
 speculation, fixed K = 1..4 (`adaptive: off`), `phase`, and `auto`, for DSpark and the draft model,
 at several concurrencies, with interleaved repetitions (every configuration runs once per round,
-rounds repeat; the median over rounds is reported, so drift between configurations is shared).
+rounds repeat, each in a rotated order, after `--warmup-rounds` untimed ones; the median over
+rounds of each round's ratio to that round's no-speculation run is reported, so drift between
+configurations is shared).
 
 The workload is the demo corpus (the prompts the demo model answers): families cycled so that
 reasoning-heavy turns (arithmetic, sort, count: long `<think>`), JSON, code and tool calls
@@ -183,6 +185,7 @@ def main() -> None:
     ap.add_argument("--kmax", type=int, default=4)
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (default 1)")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--only", default=None, help="comma-separated configuration names to run (default all)")
@@ -207,6 +210,15 @@ def main() -> None:
     results: dict[str, dict[int, list[float]]] = {n: {c: [] for c in levels} for n in table}
     details: dict[str, dict[int, dict]] = {n: {} for n in table}
     names = list(llms)
+    for r in range(args.warmup_rounds):
+        # Untimed: on the device machine the first round of every run came out 2-3x slower
+        # than the rest (a cold host). It also lets auto learn, as a serving engine would have.
+        for c in levels:
+            for name in names:
+                run_level(llms[name], prompts, c, args.max_tokens)
+                if clocks[name] is not None:
+                    clocks[name].take()
+        print(f"warm-up round {r + 1} done", flush=True)
     for r in range(args.rounds):
         for c in levels:
             # A different order each round: a configuration is not always the one after another.
