@@ -128,7 +128,9 @@ def test_step_cost_buckets_padding_hook_and_online_refinement() -> None:
     cost.observe([2], 2.2)  # modelled 1.2 + 0.02: residual 0.98
     assert cost.learned([2]) == pytest.approx(0.098)
     assert cost.learned([1]) == pytest.approx(0.098)  # another q, same bucket
-    assert cost.seconds([0]) == pytest.approx(1.0)  # no drafting: learned apart
+    assert cost.seconds([0]) == pytest.approx(1.0 + 0.098)  # no drafting: not seen yet, the other kind's
+    cost.observe([0], 1.0)  # then learned apart: 0.9 x 0.098 + 0.1 x 0
+    assert cost.learned([0]) == pytest.approx(0.9 * 0.098) and cost.learned([2]) == pytest.approx(0.098)
     for _ in range(60):
         cost.observe([2], 2.2)
     assert cost.seconds([2]) == pytest.approx(2.2, rel=0.01)

@@ -250,8 +250,12 @@ class StepCost:
         return self.bucket(len(ks)), any(ks if drafted is None else drafted)
 
     def learned(self, ks: Sequence[int], drafted: Sequence[int] | None = None) -> float:
-        """The learned host seconds of a step like this (see the class docstring)."""
-        return self.residual.get(self._residual_key(ks, drafted), 0.0)
+        """The learned host seconds of a step like this (see the class docstring). A kind of step
+        not seen yet in its bucket takes the other kind's: most host work is the same with or
+        without a drafter, and 0 would make the unseen kind look free."""
+        bucket, drafting = self._residual_key(ks, drafted)
+        learned = self.residual.get((bucket, drafting))
+        return learned if learned is not None else self.residual.get((bucket, not drafting), 0.0)
 
     def seconds(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
         """Predicted seconds of the step (see `modelled`), with what was learned online."""
@@ -262,7 +266,7 @@ class StepCost:
         Returns what was predicted for it."""
         modelled = self.modelled(ks, drafted)
         key = self._residual_key(ks, drafted)
-        old = self.residual.get(key, 0.0)
+        old = self.learned(ks, drafted)
         # One slow step (a page fault, a long stall) counts as at most OUTLIER_FACTOR times the
         # prediction: a persistent change is still learned within a few dozen steps (each may
         # double the estimate), an outlier is not frozen into the estimate.
