@@ -208,6 +208,7 @@ class StepCost:
         for (b, d), t in sorted(self.draft.items()):
             self._draft_by_depth.setdefault(d, []).append((b, t))
         self.residual: dict[tuple[int, bool], float] = {}  # (bucket, drafter ran) -> learned seconds
+        self._bucket_of = [self.buckets[bisect.bisect_left(self.buckets, n)] for n in range(self.buckets[-1] + 1)]
 
     @property
     def uniform_is_optimal(self) -> bool:
@@ -216,6 +217,8 @@ class StepCost:
         return self.padded and self.extra is None
 
     def bucket(self, batch: int) -> int:
+        if batch < len(self._bucket_of):  # every step asks: a table, not a search
+            return self._bucket_of[batch]
         i = bisect.bisect_left(self.buckets, batch)
         if i == len(self.buckets):
             raise ValueError(f"no captured batch bucket holds {batch} requests (largest {self.buckets[-1]})")
