@@ -58,6 +58,20 @@ class Trace:
         """The verify recorded at the largest position <= pos (the text there)."""
         return self.rows[max(bisect.bisect_right(self.positions, pos) - 1, 0)]
 
+    def confidence(self, pos: int, depth: int) -> list[float] | None:
+        """The drafter's recorded confidence for the `depth` tokens after `pos`: each token's from
+        the latest recorded verify that drafted it (its prefix is the target's up to there), None
+        when one was never drafted."""
+        out = []
+        for x in range(pos + 1, pos + depth + 1):
+            i = bisect.bisect_left(self.positions, x) - 1  # the latest verify starting before x
+            row = self.rows[i] if i >= 0 else None
+            conf = row.get("confidence") if row is not None else None
+            if not conf or x - row["pos"] > len(conf):
+                return None
+            out.append(conf[x - row["pos"] - 1])
+        return out
+
     def run_at(self, pos: int, cap: int) -> int:
         """How many drafts from `pos` on the recorded verifies say would be accepted (at most
         cap): a step starting j tokens into a recorded run has its rest; a run that ended in a
@@ -124,12 +138,8 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
             drafted = auto.choose(names, [r["phase"] for r in rows], [max(rm, 0) for rm in room])
             ks = drafted
             if policy == "auto" and auto.cut_can_pay(drafted):
-                # The drafter's confidence for the tokens it would draft here: the recorded
-                # verify's, from the step's offset into it (None where nothing was recorded).
-                confs = []
-                for i, r, d in zip(ids, rows, drafted):
-                    conf = (r.get("confidence") or [])[live[i] - r["pos"]:][:d]
-                    confs.append(conf if len(conf) == d and d else None)
+                # The drafter's confidence for the tokens it would draft here (`Trace.confidence`).
+                confs = [traces[i].confidence(live[i], d) if d else None for i, d in zip(ids, drafted)]
                 ks = auto.refine(names, drafted, confs)
         else:
             ks = [min(int(policy), max(rm, 0)) for rm in room]
