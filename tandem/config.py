@@ -166,7 +166,9 @@ class SpecConfig:
     method None: off. `num_speculative_tokens` is Kmax, the longest draft; `adaptive` "off" drafts
     Kmax tokens for every request, "phase" drafts `phase_k[phase]` (0..Kmax; a phase not listed
     gets Kmax) for a request in that phase (`tandem.spec.phase`), "auto" lets the goodput
-    controller choose 0..Kmax per request and step (`tandem.spec.auto`). `max_k` sizes the
+    controller choose 0..Kmax per request and step (`tandem.spec.auto`; its choices follow
+    measured step times, so a seeded sampled request is reproducible in distribution, not token
+    for token, across runs; greedy output is the target's either way). `max_k` sizes the
     runner's CUDA graph query lengths (1 .. max_k + 1): Kmax when speculating, else what was asked
     (0: decode only). Build one from JSON or a dict with `SpecConfig.parse`, which checks every key.
     """
