@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The issue-15 measurements in one device call (about 5 minutes on the H200): the K policies live
 # on the demo pair, the speculative stage's host time, fresh traces with confidences, and their
-# replay against the Qwen3-30B-A3B shape. Results under $OUT (default ./out).
-#   bash benchmarks/run_auto_device.sh
+# replay against the Qwen3-30B-A3B shape. Results under $OUT (default ./out). The engine imports
+# llguidance: on the device machine carry its wheel (.whlg/) and put it on the path first:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whlg/*.whl
+#   PYTHONPATH=/tmp/site:$PWD bash benchmarks/run_auto_device.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
