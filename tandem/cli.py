@@ -121,7 +121,8 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 3}\'; plus "adaptive": "phase" with "phase_k": {"reasoning": 1, '
-                        '"content": 2} for a draft depth per request phase (default: off)')
+                        '"content": 2} for a draft depth per request phase, or "adaptive": "auto" for a depth per '
+                        'request and step from measured acceptance and step costs (default: off)')
     # -- the API
     s.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: $TANDEM_API_KEY)")
