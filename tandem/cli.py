@@ -188,7 +188,9 @@ def build_parser() -> FlagParser:
                                   allow_abbrev=False)
     _add_serve_flags(serve_parser)
     plan_parser = sub.add_parser("plan", help="print where weights and KV cache go, and whether it fits, without "
-                                              "loading", formatter_class=HelpFormatter, allow_abbrev=False)
+                                              "loading (MODEL_DIR may be a config.json alone: planned from the "
+                                              "architecture, before downloading the weights)",
+                                 formatter_class=HelpFormatter, allow_abbrev=False)
     _add_plan_flags(plan_parser)
     # Listed for --help only: `run` hands `tandem bench ...` to tandem.bench.cli before this parser
     # sees it, so serving never imports the client-side bench code (httpx and the tools).
@@ -204,11 +206,14 @@ def plan(args: argparse.Namespace) -> int:
 
     # --gpu-memory plans for a GPU that need not be here, so it implies CUDA.
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and args.gpu_memory) else resolve_device(args.device)
-    shipped, model_dir = shipped_model(args.model)
-    if shipped == "builtin":
-        from tandem.builtin import ensure_builtin_model
+    if args.model and Path(args.model).is_file():  # a config.json alone: planned from the architecture
+        model_dir = args.model
+    else:
+        shipped, model_dir = shipped_model(args.model)
+        if shipped == "builtin":
+            from tandem.builtin import ensure_builtin_model
 
-        model_dir = str(ensure_builtin_model())
+            model_dir = str(ensure_builtin_model())
     from tandem.models.loader import CheckpointError
 
     try:

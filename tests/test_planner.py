@@ -59,3 +59,43 @@ def test_kv_blocks_caps_at_what_the_sequences_can_use():
 def test_bad_checkpoint_is_one_line_and_exit_1(tmp_path, capsys):
     assert run(["plan", str(tmp_path)]) == 1
     assert "config.json" in capsys.readouterr().err
+
+
+def test_a_config_json_alone_is_planned_from_the_architecture(model_dir, tmp_path, capsys):
+    # The same sizes as the checkpoint's, with no tokenizer and no weight files: a directory
+    # holding config.json only, or the file itself.
+    full = plan_memory(model_dir, torch.float32, "cpu", kv_cache_memory=8 << 20)
+    alone = tmp_path / "bare"
+    alone.mkdir()
+    (alone / "config.json").write_text((model_dir / "config.json").read_text())
+    for target in (alone, alone / "config.json"):
+        plan = plan_memory(target, torch.float32, "cpu", kv_cache_memory=8 << 20)
+        assert plan.from_config_only and plan.weights == full.weights and plan.kv_tokens == full.kv_tokens
+    assert run(["plan", str(alone / "config.json"), "--device", "cpu", "--kv-cache-memory", "8MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "from config.json alone" in out and "KV capacity" in out
+    assert not full.from_config_only
+
+
+def test_a_config_json_alone_for_a_model_that_does_not_fit(tmp_path, capsys):
+    import json
+
+    qwen3_30b_a3b = {  # Qwen/Qwen3-30B-A3B's config.json, the keys the architecture reads
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+        "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+        "norm_topk_prob": True, "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "torch_dtype": "bfloat16",
+    }
+    path = tmp_path / "qwen3-30b-a3b.json"
+    path.write_text(json.dumps(qwen3_30b_a3b))
+    assert run(["plan", str(path), "--gpu-memory", "24GiB", "--dtype", "bfloat16"]) == 1
+    out = capsys.readouterr().out
+    assert "routed experts" in out and "DOES NOT FIT" in out
+    plan = plan_memory(path, torch.bfloat16, "cuda", device_bytes=24 * GiB)
+    assert 55 * GiB < plan.weights_total < 62 * GiB  # Qwen3-30B-A3B: 30.5B parameters in bf16
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"model_type": "llama4"}))
+    assert run(["plan", str(bad)]) == 1
+    assert "model_type 'llama4' is not supported" in capsys.readouterr().err

@@ -119,7 +119,12 @@ def _few(names: list[str] | set[str], n: int = 3) -> str:
 
 
 def _read_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
+    return read_config_file(model_dir / "config.json")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config.json as a dict; CheckpointError naming the file when it is missing or not a JSON
+    object."""
     if not path.is_file():
         raise CheckpointError(f"{path}: missing config.json; is this an HF-format model directory?")
     try:

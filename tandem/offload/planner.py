@@ -1,6 +1,10 @@
 """Memory plan: where the weights and the KV cache go, computed from config.json and the
 safetensors headers before anything is loaded (`tandem plan`).
 
+A directory without weight files, or a config.json given alone, is planned from the
+architecture: the parameters of the model config.json describes, in the run dtype, are what its
+weights would take, so a model's fit can be known before it is downloaded.
+
 The engine sizes its KV cache with `kv_blocks` below; on CUDA it measures activation memory with a
 profiling pass at start-up, so the plan's activation figure is an estimate and says so.
 """
@@ -14,12 +18,16 @@ from pathlib import Path
 import torch
 
 from tandem.kv.spec import group_layers
-from tandem.models.loader import CheckpointError, available_host_memory, inspect_checkpoint
+from tandem.models.loader import CheckpointError, available_host_memory, check_config, inspect_checkpoint, read_config_file
+from tandem.models.registry import get_model_class, supported_model_types
 from tandem.tokenizer import Tokenizer, TokenizerError
 
 GiB = 1024**3
 DEFAULT_CPU_KV_MEMORY = 4 * GiB  # as vLLM's CPU backend: KV space is a fixed budget on CPU
 CUDA_OVERHEAD = GiB // 2  # CUDA context, cuBLAS workspaces and allocator slack (estimate)
+# A directory with none of these is planned from its config.json alone (one with weights in a
+# format Tandem does not load gets the loader's error, as `tandem serve` would).
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
 def kv_blocks(budget: int, bytes_per_block: int, max_model_len: int, block_size: int, max_num_seqs: int) -> int:
@@ -61,6 +69,7 @@ class MemoryPlan:
     kv_budget: int
     kv_tokens: int = 0
     problems: list[str] = field(default_factory=list)
+    from_config_only: bool = False  # no weight files: the sizes come from the architecture
 
     @property
     def weights_total(self) -> int:
@@ -73,6 +82,8 @@ class MemoryPlan:
     def render(self) -> str:
         lines = [f"Memory plan for {self.model_dir} ({self.model_type}, {str(self.dtype).removeprefix('torch.')}, "
                  f"{self.device})"]
+        if self.from_config_only:
+            lines.append("  from config.json alone (no weight files): weight sizes computed from the architecture")
         for cat, n in sorted(self.weights.items(), key=lambda kv: -kv[1]):
             lines.append(f"  weights  {cat:<34} {n / GiB:9.2f} GiB")
         lines.append(f"  weights  {'total':<34} {self.weights_total / GiB:9.2f} GiB")
@@ -101,20 +112,41 @@ def plan_memory(
     device_bytes: int | None = None,
 ) -> MemoryPlan:
     """Plan without touching device memory. On CUDA, `device_bytes` is the GPU's memory (the
-    current device's when None). A checkpoint `tandem serve` would refuse (its weights, config.json
-    or tokenizer files) raises CheckpointError with the same one-line message."""
-    info = inspect_checkpoint(model_dir)  # validates the checkpoint; builds only a meta model
-    try:
-        Tokenizer.from_dir(model_dir)  # as the engine does first: generation_config.json's defaults too
-    except TokenizerError as e:
-        raise CheckpointError(str(e)) from None
+    current device's when None). `model_dir` is a checkpoint directory, or a config.json (a file,
+    or a directory with no weight files): then the plan is the architecture's (see the module
+    docstring). A checkpoint `tandem serve` would refuse (its weights, config.json or tokenizer
+    files) raises CheckpointError with the same one-line message."""
+    path = Path(model_dir)
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
-    for name, entry in info.tensors.items():
-        if name not in info.unused:
-            weights[_category(name)] = weights.get(_category(name), 0) + math.prod(entry.shape) * elem
-    with torch.device("meta"):
-        model = info.model_class(info.config, dtype)
+    config_only = path.is_file() or (path.is_dir() and not any(any(path.glob(g)) for g in WEIGHT_FILES))
+    if config_only:
+        config_path = path if path.is_file() else path / "config.json"
+        config = read_config_file(config_path)
+        model_type = config.get("model_type")
+        if model_type not in supported_model_types():
+            raise CheckpointError(f"{config_path}: model_type {model_type!r} is not supported; "
+                                  f"supported: {', '.join(supported_model_types())}")
+        check_config(config, config_path)
+        try:
+            with torch.device("meta"):
+                model = get_model_class(model_type)(config, dtype)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"{config_path}: {e}") from None
+        for name, p in model.named_parameters():  # shared (tied) parameters once
+            weights[_category(name)] = weights.get(_category(name), 0) + p.numel() * elem
+    else:
+        info = inspect_checkpoint(path)  # validates the checkpoint; builds only a meta model
+        try:
+            Tokenizer.from_dir(path)  # as the engine does first: generation_config.json's defaults too
+        except TokenizerError as e:
+            raise CheckpointError(str(e)) from None
+        config, model_type = info.config, info.model_type
+        for name, entry in info.tensors.items():
+            if name not in info.unused:
+                weights[_category(name)] = weights.get(_category(name), 0) + math.prod(entry.shape) * elem
+        with torch.device("meta"):
+            model = info.model_class(info.config, dtype)
     groups = group_layers(model.kv_cache_specs())
     kv_per_token = sum(g.bytes_per_block(block_size) for g in groups) // block_size
     max_len = max_model_len or model.max_position_embeddings
@@ -124,7 +156,7 @@ def plan_memory(
             if not torch.cuda.is_available():
                 raise ValueError("planning for CUDA without a GPU here: pass --gpu-memory (e.g. 24GiB)")
             device_bytes = torch.cuda.mem_get_info()[1]
-        activation = CUDA_OVERHEAD + _activation_estimate(info.config, min(max_num_batched_tokens, max_len),
+        activation = CUDA_OVERHEAD + _activation_estimate(config, min(max_num_batched_tokens, max_len),
                                                           max_num_seqs, elem)
     if kv_cache_memory is not None:
         budget = kv_cache_memory
@@ -146,8 +178,8 @@ def plan_memory(
         problems.append(str(e))
     if device == "cpu":
         problems += _host_memory_problems(sum(weights.values()), kv_tokens * kv_per_token)
-    return MemoryPlan(Path(model_dir), info.model_type, dtype, device, weights, kv_per_token, max_len,
-                      max_num_seqs, device_bytes, activation, budget, kv_tokens, problems)
+    return MemoryPlan(path, model_type, dtype, device, weights, kv_per_token, max_len,
+                      max_num_seqs, device_bytes, activation, budget, kv_tokens, problems, config_only)
 
 
 def _host_memory_problems(weights_bytes: int, kv_bytes: int) -> list[str]:
