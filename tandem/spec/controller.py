@@ -211,7 +211,10 @@ class SpecDecoder:
     def choose_k(self, req: Request) -> int:
         """The draft depth of the `off` / `phase` policy for the request's next step, cut so that
         the draft and the token after it stay within max_tokens and the context length."""
-        return max(0, min(self.config.k_for(self._track(req).tracker.phase), self._room(req)))
+        return self._policy_k(req, self._track(req).tracker.phase)
+
+    def _policy_k(self, req: Request, phase: Phase) -> int:
+        return max(0, min(self.config.k_for(phase), self._room(req)))
 
     def _room(self, req: Request) -> int:
         """Draft tokens the request may still take: the draft and the token after it must fit."""
@@ -227,7 +230,7 @@ class SpecDecoder:
         if self.auto is not None:
             ks = self.auto.choose(ids, phases, [self._room(r) for r in reqs])
         else:
-            ks = [self.choose_k(r) for r in reqs]
+            ks = [self._policy_k(r, phase) for r, phase in zip(reqs, phases)]  # tracked just above
         drafts = self.proposer.propose(reqs, ks) if any(ks) else [Draft([]) for _ in reqs]
         self._drafted = dict(zip(ids, ks))
         if self.auto is not None:
@@ -247,16 +250,16 @@ class SpecDecoder:
         (`AutoK.cut_can_pay`)."""
         assert self.auto is not None
         with_conf = [i for i, d in enumerate(drafts) if d.confidence is not None and d.tokens]
-        if not with_conf or not self.auto.cut_can_pay([len(d.tokens) for d in drafts]):
+        lengths = [len(d.tokens) for d in drafts]
+        if not with_conf or not self.auto.cut_can_pay(lengths):
             return list(drafts)
-        flat = torch.cat([drafts[i].confidence[: len(drafts[i].tokens)] for i in with_conf]).tolist()
+        flat = torch.cat([drafts[i].confidence[: lengths[i]] for i in with_conf]).tolist()
         confidences: list[list[float] | None] = [None] * len(drafts)
         at = 0
         for i in with_conf:
-            n = len(drafts[i].tokens)
-            confidences[i], at = flat[at : at + n], at + n
-        cuts = self.auto.refine(ids, [len(d.tokens) for d in drafts], confidences)
-        return [d.cut(k) if k < len(d.tokens) else d for d, k in zip(drafts, cuts)]
+            confidences[i], at = flat[at : at + lengths[i]], at + lengths[i]
+        cuts = self.auto.refine(ids, lengths, confidences)
+        return [d.cut(k) if k < n else d for d, k, n in zip(drafts, cuts, lengths)]
 
     def expected_accepted(self, request_id: str, num_draft: int) -> float | None:
         """auto: the accepted tokens the controller expected of the request's draft (cut to
