@@ -237,7 +237,8 @@ class SpecDecoder:
             drafts = self._refine(ids, drafts)
         self.chosen_k = []
         for tr, rid, phase, k, d in zip(tracked, ids, phases, ks, drafts):
-            k = min(k, len(d.tokens)) if d.confidence is not None else k  # a confidence cut is the choice
+            if self.auto is not None and d.confidence is not None:  # auto's confidence cut is its choice
+                k = min(k, len(d.tokens))
             if k != tr.k and tr.k is not None:
                 self._log_k_change(rid, tr.k, k, phase)
             tr.k = k
