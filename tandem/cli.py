@@ -57,6 +57,16 @@ def _bool_flag(parser: argparse.ArgumentParser, name: str, default: bool | None,
     parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
 
 
+def _add_capacity_flags(p: argparse.ArgumentParser, batched_note: str = "") -> None:
+    """--max-model-len, --max-num-seqs, --max-num-batched-tokens: `serve` and `plan` alike."""
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output, in tokens (default: the checkpoint's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="most requests running in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                   help="most tokens computed in one step" + batched_note)
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR",
                    help="HF-format model directory, or a shipped model by name: tandem-demo (the trained demo "
@@ -76,12 +86,7 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
                         "of them, /v1/models lists them all (default: tandem-demo / tandem-builtin for the shipped "
                         "models, else the model directory's name)")
     # -- capacity and scheduling
-    s.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output, in tokens (default: the checkpoint's max_position_embeddings)")
-    s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                   help="most requests running in one step")
-    s.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="most tokens computed in one step; longer prompts are prefilled in chunks of this size")
+    _add_capacity_flags(s, "; longer prompts are prefilled in chunks of this size")
     _bool_flag(s, "--enable-chunked-prefill", SchedulerConfig.enable_chunked_prefill,
                "prefill a long prompt in chunks of --max-num-batched-tokens, next to the running decodes; "
                "--no-enable-chunked-prefill prefills each prompt in one step, which needs --max-model-len at most "
@@ -170,12 +175,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory Tandem may use")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: from "
                                                           "--gpu-memory-utilization)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output, in tokens (default: the checkpoint's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                   help="most requests running in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="most tokens computed in one step")
+    _add_capacity_flags(p)
 
 
 def build_parser() -> FlagParser:
