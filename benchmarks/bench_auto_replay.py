@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_auto import PHASE_K  # noqa: E402
 from bench_gpu import SHAPES, build_engine, free_device_memory, model_dir  # noqa: E402
 
 from tandem import LLM  # noqa: E402
@@ -42,7 +43,6 @@ from tandem.engine.runner import batch_buckets  # noqa: E402
 from tandem.spec.auto import AutoK  # noqa: E402
 from tandem.spec.goodput import StepCost  # noqa: E402
 
-PHASE_K = {"reasoning": 1, "content": 2, "tool_call": 3}
 
 
 class Trace:
@@ -85,6 +85,12 @@ class Trace:
         if after >= self.length or after == pos:
             return min(left, cap)
         return min(left + 1 + self.run_at(after, cap - left - 1), cap)
+
+
+def _table(saved: dict[str, float], scale: float = 1.0) -> dict[tuple[int, int], float]:
+    """A table written to JSON with "a,b" keys (this script's --out, bench_auto's auto_cost) back
+    to {(a, b): value x scale}."""
+    return {tuple(map(int, k.split(","))): v * scale for k, v in saved.items()}
 
 
 def measure_tables(args: argparse.Namespace, kmax: int, max_seqs: int) -> tuple[dict, dict]:
@@ -189,16 +195,14 @@ def main() -> None:
         # The step tables a previous run measured (its --out file): the simulation, which is
         # deterministic, then runs anywhere, e.g. on a CPU machine after the GPU run.
         measured = json.loads(Path(args.tables).read_text())
-        parse_ms = lambda d: {tuple(map(int, k.split(","))): v / 1e3 for k, v in d.items()}  # noqa: E731
-        verify, draft = parse_ms(measured["verify_ms"]), parse_ms(measured["draft_ms"])
+        verify, draft = _table(measured["verify_ms"], 1e-3), _table(measured["draft_ms"], 1e-3)
     elif args.cost_from:
         # The step costs an auto run of bench_auto.py measured and learned (its host time
         # included): the live demo pair's own costs, for its ceiling.
         path, _, name = args.cost_from.partition(":")
         learned = json.loads(Path(path).read_text())["auto_cost"][name]
-        parse = lambda d: {tuple(map(int, k.split(","))): v for k, v in d.items()}  # noqa: E731
-        verify, draft = parse(learned["verify"]), parse(learned["draft"])
-        for key, extra in parse(learned["residual"]).items():
+        verify, draft = _table(learned["verify"]), _table(learned["draft"])
+        for key, extra in _table(learned["residual"]).items():
             verify[key] = verify.get(key, 0.0) + extra
     else:
         verify, draft = measure_tables(args, kmax, max(levels))
