@@ -95,10 +95,10 @@ class _Pending:
 
 @dataclass
 class StepPrediction:
-    """A step's predicted and measured seconds (measured None until `observe_step`)."""
+    """A step's predicted and measured seconds."""
 
     predicted: float
-    measured: float | None = None
+    measured: float
 
 
 class AutoK:

@@ -217,12 +217,9 @@ class StepCost:
         return self.padded and self.extra is None
 
     def bucket(self, batch: int) -> int:
-        if batch < len(self._bucket_of):  # every step asks: a table, not a search
-            return self._bucket_of[batch]
-        i = bisect.bisect_left(self.buckets, batch)
-        if i == len(self.buckets):
+        if batch >= len(self._bucket_of):  # every step asks: a table, not a search
             raise ValueError(f"no captured batch bucket holds {batch} requests (largest {self.buckets[-1]})")
-        return self.buckets[i]
+        return self._bucket_of[batch]
 
     def modelled(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
         """The tables' seconds for a step verifying ks, the drafter having run for `drafted` (its
