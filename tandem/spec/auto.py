@@ -121,7 +121,7 @@ class AutoK:
         self._searched = -REFRESH_STEPS  # the step of the last search
         self._can_cut: dict[tuple[int, int, int], tuple[int, bool]] = {}  # see cut_can_pay
         self._drafts_now: dict[tuple[str, int], tuple[int, bool]] = {}  # see drafts_now
-        self._choice: dict[tuple[str, str], tuple[int, int, list[float]]] = {}  # (id, key) -> (step, K, rates)
+        self._choice: dict[str, dict[str, tuple[int, list[float]]]] = {}  # id -> key -> (K, rates) last searched
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
         """Each request's K for this step (0 .. its limit, from 0 and the captured depths)."""
@@ -136,10 +136,10 @@ class AutoK:
         # GPU step notices). A request without a choice for its context (new, or never searched
         # in it), or past its limit, makes the batch searched at once.
         self._step += 1
-        cached = [self._choice.get((rid, key)) for rid, key in zip(ids, keys)]
+        cached = [self._choice.get(rid, {}).get(key) for rid, key in zip(ids, keys)]
         if self._step - self._searched < REFRESH_STEPS and all(
-                c is not None and c[1] <= limit for c, limit in zip(cached, limits)):
-            ks, rates = [c[1] for c in cached], [c[2] for c in cached]
+                c is not None and c[0] <= limit for c, limit in zip(cached, limits)):
+            ks, rates = [c[0] for c in cached], [c[1] for c in cached]
         else:
             self._searched = self._step
             priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
@@ -147,7 +147,7 @@ class AutoK:
             previous = [self._previous.get(rid, {}).get(key, 0) for rid, key in zip(ids, keys)]
             ks = choose_ks(rates, self.depths, self.cost, previous, limits)
             for rid, key, k, r in zip(ids, keys, ks, rates):
-                self._choice[(rid, key)] = (self._step, k, r)
+                self._choice.setdefault(rid, {})[key] = (k, r)
         for i, (rid, k) in enumerate(zip(ids, ks)):
             prev, counts = self._previous.setdefault(rid, {}), self._same_steps.setdefault(rid, {})
             same = counts.get(keys[i], 0) + 1 if k == prev.get(keys[i]) else 1
@@ -248,8 +248,7 @@ class AutoK:
 
     def remove(self, request_id: str) -> None:
         self.stats.remove(request_id)
-        for key in [key for key in self._choice if key[0] == request_id]:
-            del self._choice[key]
+        self._choice.pop(request_id, None)
         self._previous.pop(request_id, None)
         self._same_steps.pop(request_id, None)
         self._in_run.pop(request_id, None)

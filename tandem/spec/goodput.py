@@ -102,7 +102,7 @@ class AcceptanceStats:
         self.phase_decay = phase_decay
         self.prior_weight = prior_weight
         self._phase: dict[str, _Counts] = {}
-        self._request: dict[tuple[str, str], _Counts] = {}
+        self._request: dict[str, dict[str, _Counts]] = {}  # request id -> phase -> counts
 
     def observe(self, request_id: str, phase: str, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
@@ -110,11 +110,10 @@ class AcceptanceStats:
         if not 0 <= num_accepted <= num_draft:
             raise ValueError(f"accepted {num_accepted} of {num_draft} drafts")
         self._phase.setdefault(phase, _Counts()).add(num_draft, num_accepted, self.phase_decay)
-        self._request.setdefault((request_id, phase), _Counts()).add(num_draft, num_accepted, self.decay)
+        self._request.setdefault(request_id, {}).setdefault(phase, _Counts()).add(num_draft, num_accepted, self.decay)
 
     def remove(self, request_id: str) -> None:
-        for key in [k for k in self._request if k[0] == request_id]:
-            del self._request[key]
+        self._request.pop(request_id, None)
 
     def phase_rates(self, phase: str) -> list[float]:
         """The phase prior: a_1 .. a_Kmax over every request seen in this phase. A position no
@@ -139,7 +138,7 @@ class AcceptanceStats:
         """a_1 .. a_Kmax for one request in its phase: its own counts shrunk to the phase prior
         (`prior`: `phase_rates(phase)`, when the caller has it)."""
         prior = self.phase_rates(phase) if prior is None else prior
-        counts = self._request.get((request_id, phase))
+        counts = self._request.get(request_id, {}).get(phase)
         if counts is None:
             return prior
         return [counts.rate(i, prior[i], self.prior_weight) for i in range(self.max_k)]
