@@ -142,7 +142,7 @@ BAD_CONFIG = [
 def test_absurd_config_is_refused_before_any_model_is_built(pristine, tmp_path, monkeypatch, changes, expected):
     d = broken(pristine, tmp_path, "config.json", **changes)
     built, materialised = [], []
-    monkeypatch.setattr(loader, "_build_model", lambda *a: built.append(a))
+    monkeypatch.setattr(loader, "build_meta_model", lambda *a: built.append(a))
     monkeypatch.setattr(torch.nn.Module, "to_empty", lambda self, **kw: materialised.append(kw))
     start = time.perf_counter()
     with pytest.raises(CheckpointError) as info:

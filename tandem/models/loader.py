@@ -136,6 +136,15 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return config
 
 
+def supported_model_type(config: dict[str, Any], path: Path) -> str:
+    """config.json's model_type; CheckpointError naming the file when Tandem has no model for it."""
+    model_type = config.get("model_type")
+    if model_type not in supported_model_types():
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not supported; "
+                              f"supported: {', '.join(supported_model_types())}")  # fmt: skip
+    return model_type
+
+
 def check_config(config: dict[str, Any], path: Path) -> None:
     """Refuse config.json values no model has, before anything is built from them: integers of the
     wrong type or outside `CONFIG_INT_LIMITS`, non-boolean flags, non-positive epsilons; and
@@ -309,7 +318,9 @@ def _read_tensor_index(files: tuple[Path, ...], weight_map: dict[str, str] | Non
     return tensors
 
 
-def _build_model(cls: type[CausalLM], config: dict[str, Any], dtype: torch.dtype, config_path: Path) -> CausalLM:
+def build_meta_model(cls: type[CausalLM], config: dict[str, Any], dtype: torch.dtype, config_path: Path) -> CausalLM:
+    """The model config.json describes, on the meta device (no memory); CheckpointError naming the
+    file when the architecture refuses the config."""
     try:
         with torch.device("meta"):
             return cls(config, dtype)
@@ -354,15 +365,12 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
     config = _read_config(model_dir)
     if not (model_dir / "tokenizer.json").is_file():
         raise CheckpointError(f"{model_dir / 'tokenizer.json'}: missing tokenizer.json")
-    model_type = config.get("model_type")
-    if model_type not in supported_model_types():
-        raise CheckpointError(f"{model_dir / 'config.json'}: model_type {model_type!r} is not supported; "
-                              f"supported: {', '.join(supported_model_types())}")  # fmt: skip
+    model_type = supported_model_type(config, model_dir / "config.json")
     files, weight_map = _weight_files(model_dir)
     tensors = _read_tensor_index(files, weight_map)
     check_layout(config, tensors, model_dir)  # first: a config for other weights is the likelier cause
     check_config(config, model_dir / "config.json")
-    model = _build_model(get_model_class(model_type), config, torch.float32, model_dir / "config.json")
+    model = build_meta_model(get_model_class(model_type), config, torch.float32, model_dir / "config.json")
     unused = _match_tensors(model, tensors, config, model_dir)
     total = sum(e.nbytes for n, e in tensors.items() if n not in unused)
     return CheckpointInfo(model_dir, config, model_type, files, tensors, unused, total)
@@ -422,7 +430,7 @@ def load_checkpoint(
     """
     start = time.perf_counter()
     info = inspect_checkpoint(model_dir)
-    model = _build_model(info.model_class, info.config, dtype, info.model_dir / "config.json")
+    model = build_meta_model(info.model_class, info.config, dtype, info.model_dir / "config.json")
     if torch.device(device).type == "cpu":  # on CUDA the engine checks the GPU before loading
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         check_host_memory(nbytes, f"{info.model_dir}: the weights in {str(dtype).removeprefix('torch.')}",

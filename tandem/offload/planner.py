@@ -18,8 +18,16 @@ from pathlib import Path
 import torch
 
 from tandem.kv.spec import group_layers
-from tandem.models.loader import CheckpointError, available_host_memory, check_config, inspect_checkpoint, read_config_file
-from tandem.models.registry import get_model_class, supported_model_types
+from tandem.models.loader import (
+    CheckpointError,
+    available_host_memory,
+    build_meta_model,
+    check_config,
+    inspect_checkpoint,
+    read_config_file,
+    supported_model_type,
+)
+from tandem.models.registry import get_model_class
 from tandem.tokenizer import Tokenizer, TokenizerError
 
 GiB = 1024**3
@@ -123,16 +131,9 @@ def plan_memory(
     if config_only:
         config_path = path if path.is_file() else path / "config.json"
         config = read_config_file(config_path)
-        model_type = config.get("model_type")
-        if model_type not in supported_model_types():
-            raise CheckpointError(f"{config_path}: model_type {model_type!r} is not supported; "
-                                  f"supported: {', '.join(supported_model_types())}")
+        model_type = supported_model_type(config, config_path)
         check_config(config, config_path)
-        try:
-            with torch.device("meta"):
-                model = get_model_class(model_type)(config, dtype)
-        except (ValueError, KeyError, TypeError, RuntimeError) as e:
-            raise CheckpointError(f"{config_path}: {e}") from None
+        model = build_meta_model(get_model_class(model_type), config, dtype, config_path)
         for name, p in model.named_parameters():  # shared (tied) parameters once
             weights[_category(name)] = weights.get(_category(name), 0) + p.numel() * elem
     else:
