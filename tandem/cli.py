@@ -24,7 +24,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.cli_flags import VLLM_REFUSED as VLLM_REFUSED  # re-exported: `from tandem.cli import VLLM_REFUSED`
 from tandem.cli_flags import FlagParser, HelpFormatter, add_accepted_flags, add_model_option
@@ -33,6 +33,7 @@ from tandem.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    OffloadConfig,
     RunnerConfig,
     SchedulerConfig,
     ServerConfig,
@@ -42,6 +43,9 @@ from tandem.config import (
     resolve_dtype,
 )
 from tandem.core import MAX_LOGPROBS, SEED_END, SEED_MIN
+
+if TYPE_CHECKING:
+    from tandem.offload.measure import MachineConstants
 
 logger = logging.getLogger("tandem")
 
@@ -65,6 +69,40 @@ def _add_capacity_flags(p: argparse.ArgumentParser, batched_note: str = "") -> N
                    help="most requests running in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
                    help="most tokens computed in one step" + batched_note)
+
+
+def _add_offload_flags(p: argparse.ArgumentParser) -> None:
+    """Where routed experts go (`serve` and `plan` alike): see tandem/offload/placement.py."""
+    from tandem.config import CPU_MOE_DTYPES
+
+    p.add_argument("--cpu-moe", action="store_true",
+                   help="keep every MoE layer's routed experts in system RAM and compute them on the CPU "
+                        "(default: only when the model does not fit the GPU)")
+    p.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
+                   help="keep the routed experts of the first N layers in RAM, on the CPU (llama.cpp's flag)")
+    p.add_argument("--gpu-resident-moe-layers", default=None, metavar="auto|none|I,J",
+                   help="with experts offloaded, MoE layers kept whole on the GPU: auto (as many as the GPU budget "
+                        "allows, the default when the model does not fit), none (the default with --cpu-moe), or "
+                        "layer indices such as 0,1")
+    p.add_argument("--cpu-moe-threads", type=int, default=None, metavar="N",
+                   help="CPU expert kernel threads, pinned to cores (default: the usable cores less one, for the "
+                        "thread that drives the GPU)")
+    p.add_argument("--cpu-moe-dtype", default="auto", choices=CPU_MOE_DTYPES,
+                   help="routed experts in RAM: auto keeps the checkpoint's values (bf16, fp32; MXFP4 as it is); "
+                        "int8, int4 and mxfp4 from a bf16 checkpoint are LOSSY conversions")
+    p.add_argument("--cpu-memory", default=None, metavar="SIZE",
+                   help="plan for a machine with this much RAM, e.g. 256GiB (default: this machine's available RAM)")
+
+
+def offload_config(args: argparse.Namespace) -> OffloadConfig:
+    return OffloadConfig(
+        cpu_moe=args.cpu_moe,
+        n_cpu_moe=args.n_cpu_moe,
+        gpu_resident_moe_layers=OffloadConfig.parse_layers(args.gpu_resident_moe_layers),
+        cpu_moe_threads=args.cpu_moe_threads,
+        cpu_moe_dtype=args.cpu_moe_dtype,
+        cpu_memory=parse_size(args.cpu_memory) if args.cpu_memory else None,
+    )
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -120,6 +158,7 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
                    help="auto: Triton paged attention on CUDA, the torch reference elsewhere")
     s.add_argument("--moe-backend", default="auto", choices=("auto", "torch", "grouped"),
                    help="auto: grouped-GEMM experts on CUDA in bf16/fp16, the torch reference elsewhere")
+    _add_offload_flags(s)
     s.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="torch threads for CPU work (default: the cores this process may use, less one for the "
                         "server thread)")
@@ -176,6 +215,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: from "
                                                           "--gpu-memory-utilization)")
     _add_capacity_flags(p)
+    _add_offload_flags(p)
+    p.add_argument("--measure", action="store_true",
+                   help="time RAM read, PCIe and GPU bandwidth here and print the predicted decode tok/s")
 
 
 def build_parser() -> FlagParser:
@@ -223,12 +265,21 @@ def plan(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
             device_bytes=parse_size(args.gpu_memory) if args.gpu_memory else None,
+            offload=offload_config(args), machine=_measured(args, device),
         )
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         sys.stderr.write(f"tandem: error: {e}\n")
         return 1
     print(result.render())
     return 0 if result.fits else 1
+
+
+def _measured(args: argparse.Namespace, device: str) -> MachineConstants | None:
+    if not args.measure:
+        return None
+    from tandem.offload.measure import measure_machine
+
+    return measure_machine(device, threads=args.cpu_moe_threads)
 
 
 def _json_object(text: str | None, flag: str) -> dict[str, Any]:
@@ -353,7 +404,7 @@ def build_configs(args: argparse.Namespace, model_dir: str, shipped: str | None 
     spec = SpecConfig.parse(args.speculative_config)
     stats_interval = math.inf if args.disable_log_stats else EngineConfig.log_stats_interval
     engine = EngineConfig(model=model, cache=cache, scheduler=scheduler, spec=spec, runner=runner,
-                          log_stats_interval=stats_interval)
+                          offload=offload_config(args), log_stats_interval=stats_interval)
     return engine, server
 
 

@@ -42,8 +42,9 @@ VLLM_REFUSED: dict[str, str] = {
     "--quantization": _UNQUANTIZED,
     "-q": _UNQUANTIZED,
     "--kv-cache-dtype": "the KV cache is kept in --dtype; size it with --kv-cache-memory or --gpu-memory-utilization",
-    "--cpu-offload-gb": "offloading experts to CPU RAM is planned but not here yet; `tandem plan MODEL_DIR` shows "
-                        "what fits on the GPU",
+    "--cpu-offload-gb": "Tandem offloads whole layers' routed experts to RAM, computed on the CPU: use --cpu-moe, "
+                        "--n-cpu-moe N or nothing (automatic when the model does not fit); `tandem plan MODEL_DIR` "
+                        "shows the placement",
     "--swap-space": "preempted requests are recomputed, never swapped to CPU memory; drop the flag",
     "--preemption-mode": "preempted requests are always recomputed; drop the flag",
     "--num-gpu-blocks-override": "size the KV cache with --kv-cache-memory",

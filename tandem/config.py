@@ -260,6 +260,69 @@ class SpecConfig:
         return cls(method, kmax, lo, hi, adaptive, tuple(sorted(phase_k.items())), model, max_k)
 
 
+CPU_MOE_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "mxfp4")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where routed experts live: the GPU, or system RAM computed on the CPU, decided per MoE layer
+    by the planner (tandem/offload/placement.py).
+
+    With no flag the planner offloads only when the model does not fit the GPU, keeping whole MoE
+    layers on the GPU with what is left of its budget. `cpu_moe` puts every routed expert in RAM;
+    `n_cpu_moe` those of the first N layers (llama.cpp's --n-cpu-moe). `gpu_resident_moe_layers`
+    names MoE layers kept whole on the GPU when experts are offloaded: layer indices, "auto" (as
+    many as the budget allows) or None (the default: "auto" when offloading because the model does
+    not fit, none with --cpu-moe)."""
+
+    cpu_moe: bool = False
+    n_cpu_moe: int | None = None
+    gpu_resident_moe_layers: tuple[int, ...] | str | None = None
+    cpu_moe_threads: int | None = None  # None: the usable cores less one (for the thread driving the GPU)
+    # Expert weights in RAM: auto keeps the checkpoint's values (bf16 -> bf16, fp32 -> fp32, MXFP4
+    # as it is); int8 / int4 (and mxfp4 from a bf16 checkpoint) are lossy conversions.
+    cpu_moe_dtype: str = "auto"
+    cpu_memory: int | None = None  # bytes of RAM to plan for (None: this machine's)
+
+    def __post_init__(self) -> None:
+        if self.cpu_moe and self.n_cpu_moe is not None:
+            raise ValueError("--cpu-moe and --n-cpu-moe both say which experts go to the CPU; give one")
+        if self.n_cpu_moe is not None and self.n_cpu_moe < 0:
+            raise ValueError(f"--n-cpu-moe must be at least 0, got {self.n_cpu_moe}")
+        if self.cpu_moe_threads is not None and self.cpu_moe_threads < 1:
+            raise ValueError(f"--cpu-moe-threads must be at least 1, got {self.cpu_moe_threads}")
+        if self.cpu_moe_dtype not in CPU_MOE_DTYPES:
+            raise ValueError(f"--cpu-moe-dtype must be one of {', '.join(CPU_MOE_DTYPES)}, got {self.cpu_moe_dtype!r}")
+        layers = self.gpu_resident_moe_layers
+        if isinstance(layers, str) and layers != "auto":
+            raise ValueError(f"--gpu-resident-moe-layers must be 'auto' or layer indices, got {layers!r}")
+        if isinstance(layers, tuple) and any(i < 0 for i in layers):
+            raise ValueError(f"--gpu-resident-moe-layers are layer indices (0 or more), got {layers}")
+        if self.cpu_memory is not None and self.cpu_memory <= 0:
+            raise ValueError("--cpu-memory must be positive")
+
+    @property
+    def forced(self) -> bool:
+        """Whether a flag says which experts go to the CPU (else: only if the model does not fit)."""
+        return self.cpu_moe or self.n_cpu_moe is not None
+
+    @staticmethod
+    def parse_layers(text: str | None) -> tuple[int, ...] | str | None:
+        """--gpu-resident-moe-layers: "auto", "" / "none" (no layer), or "0,1,5"."""
+        if text is None:
+            return None
+        text = text.strip()
+        if text in ("auto",):
+            return text
+        if text in ("", "none"):
+            return ()
+        try:
+            return tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+        except ValueError:
+            raise ValueError(f"--gpu-resident-moe-layers must be 'auto', 'none' or comma-separated layer indices "
+                             f"such as 0,1; got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -267,6 +330,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     log_stats_interval: float = 10.0
 
 

@@ -185,9 +185,11 @@ class GroupedMoEExecutor:
 
 
 def install_moe_executor(model: nn.Module, name: str) -> int:
-    """Give every MoE block of `model` a fresh `name` executor, layer by layer (call after the
-    weights are loaded). Returns the number of blocks changed; 0 for a model without MoE blocks."""
+    """Give every MoE block of `model` whose experts are on it a fresh `name` executor, layer by
+    layer (call after the weights are loaded). Returns the number of blocks changed; 0 for a
+    model without MoE blocks."""
     blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else {}
+    blocks = {i: b for i, b in blocks.items() if not b.offloaded}  # offloaded layers keep their executor
     for block in blocks.values():
         block.set_executor(make_moe_executor(name, block.experts))
     return len(blocks)

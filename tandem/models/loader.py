@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -64,7 +64,7 @@ CONFIG_INT_LIMITS: dict[str, tuple[int, int]] = {
 }  # fmt: skip
 CONFIG_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "use_sliding_window")
 CONFIG_POSITIVE_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # model.layers.N.* (HF) and layers.N.* (native)
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # model.layers.N.* (HF) and layers.N.* (native)
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")  # mlp.experts.E.* (per-expert tensors)
 
 
@@ -215,7 +215,7 @@ def check_layout(config: dict[str, Any], tensors: dict[str, TensorEntry], model_
     headers hold, before a model is built: building 200000 layers (even on the meta device) takes
     minutes and gigabytes, while the headers answer at once."""
     layers = config.get("num_hidden_layers")
-    if not _covers(held := _indices(_LAYER_INDEX, tensors), layers):
+    if not _covers(held := _indices(LAYER_INDEX, tensors), layers):
         raise CheckpointError(f"{model_dir}: config.json says num_hidden_layers {layers} but the safetensors hold "
                               f"{_held(held, 'layer')}; does config.json belong to these weights?")  # fmt: skip
     key = next((k for k in ("num_experts", "num_local_experts") if config.get(k)), None)
@@ -415,6 +415,21 @@ def _reset_buffers(model: torch.nn.Module) -> None:
             reset()
 
 
+class TensorSink(Protocol):
+    """Where some checkpoint tensors go instead of the model's parameters (routed experts kept in
+    RAM: tandem/offload/cpu_executor.py `OffloadedExperts`)."""
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """On the meta model, before it is materialised: take out the modules this sink holds."""
+
+    def wants(self, name: str) -> bool: ...
+
+    def take(self, name: str, tensor: torch.Tensor) -> None: ...
+
+    def install(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """After every tensor was read."""
+
+
 @torch.no_grad()
 def load_checkpoint(
     model_dir: str | Path,
@@ -422,15 +437,18 @@ def load_checkpoint(
     device: str | torch.device,
     *,
     progress: bool = True,
+    sink: TensorSink | None = None,
 ) -> tuple[CausalLM, LoadReport]:
     """Validate (see `inspect_checkpoint`), then build the model on `device` in `dtype` and fill it.
 
-    Floating-point checkpoint tensors are converted to `dtype`. The model is returned in eval mode
-    with no KV cache bound.
+    Floating-point checkpoint tensors are converted to `dtype`; the tensors `sink` wants go to it
+    instead. The model is returned in eval mode with no KV cache bound.
     """
     start = time.perf_counter()
     info = inspect_checkpoint(model_dir)
     model = build_meta_model(info.model_class, info.config, dtype, info.model_dir / "config.json")
+    if sink is not None:
+        sink.prepare(model)
     if torch.device(device).type == "cpu":  # on CUDA the engine checks the GPU before loading
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         check_host_memory(nbytes, f"{info.model_dir}: the weights in {str(dtype).removeprefix('torch.')}",
@@ -439,27 +457,35 @@ def load_checkpoint(
     _reset_buffers(model)
     model.eval()
     targets = model.state_dict(keep_vars=True)  # name -> Parameter on device
+    sunk = sorted(n for n in info.tensors if n not in targets and n not in info.unused and sink and sink.wants(n))
     by_file: dict[Path, list[str]] = {}
-    for name in sorted(targets):
+    for name in sorted([*targets, *sunk]):
         by_file.setdefault(info.tensors[name].file, []).append(name)
+    total = sum(info.tensors[n].nbytes for names in by_file.values() for n in names)
     bytes_read = 0
-    with tqdm(total=len(targets), desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress) as bar:
+    with tqdm(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              disable=not progress) as bar:
         for path, names in by_file.items():
             try:
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for name in names:
                         # Memory-mapped read; copy_ converts dtype and moves to the device.
-                        targets[name].copy_(f.get_tensor(name))
+                        if name in targets:
+                            targets[name].copy_(f.get_tensor(name))
+                        else:
+                            sink.take(name, f.get_tensor(name))  # type: ignore[union-attr]
                         bytes_read += info.tensors[name].nbytes
-                        bar.update(1)
+                        bar.update(info.tensors[name].nbytes)
             except (OSError, SafetensorError) as e:
                 raise CheckpointError(f"{path}: cannot read tensors ({e})") from None
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
+    if sink is not None:
+        sink.install(model, torch.device(device), dtype)
     report = LoadReport(
         model_type=info.model_type,
         model_dir=info.model_dir,
-        num_tensors=len(targets),
+        num_tensors=len(targets) + len(sunk),
         bytes_read=bytes_read,
         seconds=time.perf_counter() - start,
         dtype=dtype,

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from tandem.config import OffloadConfig
 from tandem.kv.spec import group_layers
 from tandem.models.loader import (
+    LAYER_INDEX,
     CheckpointError,
     available_host_memory,
     build_meta_model,
@@ -28,6 +30,8 @@ from tandem.models.loader import (
     supported_model_type,
 )
 from tandem.models.registry import get_model_class
+from tandem.offload.measure import MachineConstants
+from tandem.offload.placement import Placement, plan_placement, predict_decode_seconds, ram_problems
 from tandem.tokenizer import Tokenizer, TokenizerError
 
 GiB = 1024**3
@@ -78,6 +82,11 @@ class MemoryPlan:
     kv_tokens: int = 0
     problems: list[str] = field(default_factory=list)
     from_config_only: bool = False  # no weight files: the sizes come from the architecture
+    placement: Placement | None = None
+    machine: MachineConstants | None = None  # measured bandwidths (--measure): a predicted decode speed
+    # The placement's own problems (the GPU part, the experts in RAM): what the engine refuses to
+    # load with. The others (the KV estimate) it settles by profiling.
+    offload_problems: tuple[str, ...] = ()
 
     @property
     def weights_total(self) -> int:
@@ -102,8 +111,26 @@ class MemoryPlan:
         if self.kv_tokens:
             lines.append(f"  KV capacity {self.kv_tokens} tokens; max concurrency at --max-model-len "
                          f"{self.max_model_len}: {self.kv_tokens / self.max_model_len:.2f}x")
+        if self.placement is not None and self.placement.num_experts:
+            lines += self.placement.render()
+            lines += self._predicted()
         lines += [f"  DOES NOT FIT: {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+    def _predicted(self) -> list[str]:
+        p, m = self.placement, self.machine
+        if p is None or self.device != "cuda":
+            return []
+        if m is None:
+            return ["  predicted decode speed: run with --measure (it times RAM reads, PCIe and the GPU)"]
+        lines = [f"  measured: {m.describe()}"]
+        for batch in (1, 4):
+            gpu, cpu = p.bytes_per_step(batch)
+            step = predict_decode_seconds(p, batch, m.ram_read, m.gpu_read, m.roundtrip)
+            lines.append(f"  predicted decode, batch {batch}: {batch / step:7.1f} tok/s ({step * 1e3:.2f} ms a step: "
+                         f"{gpu / GiB:.2f} GiB GPU weights, {cpu / GiB:.2f} GiB experts from RAM per step)")
+        return lines
 
 
 def plan_memory(
@@ -118,12 +145,16 @@ def plan_memory(
     gpu_memory_utilization: float = 0.9,
     kv_cache_memory: int | None = None,
     device_bytes: int | None = None,
+    offload: OffloadConfig | None = None,
+    machine: MachineConstants | None = None,
 ) -> MemoryPlan:
     """Plan without touching device memory. On CUDA, `device_bytes` is the GPU's memory (the
     current device's when None). `model_dir` is a checkpoint directory, or a config.json (a file,
     or a directory with no weight files): then the plan is the architecture's (see the module
     docstring). A checkpoint `tandem serve` would refuse (its weights, config.json or tokenizer
-    files) raises CheckpointError with the same one-line message."""
+    files) raises CheckpointError with the same one-line message. `offload` says which routed
+    experts may go to RAM (see placement.py); `machine` (measured bandwidths) adds a predicted
+    decode speed."""
     path = Path(model_dir)
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
@@ -159,37 +190,65 @@ def plan_memory(
             device_bytes = torch.cuda.mem_get_info()[1]
         activation = CUDA_OVERHEAD + _activation_estimate(config, min(max_num_batched_tokens, max_len),
                                                           max_num_seqs, elem)
+    offload = offload or OffloadConfig()
+    kv_min = -(-max_len // block_size) * block_size * kv_per_token  # one --max-model-len request
+    gpu_budget = int(gpu_memory_utilization * device_bytes) - activation if device == "cuda" else None
+    placement = plan_placement(model, dtype, offload, gpu_budget, kv_min)
+    problems = list(placement.problems)
+    if placement.offloaded:  # the experts' bytes in RAM, in the CPU format
+        weights["routed experts on the GPU"] = weights.pop("routed experts", 0) - sum(
+            n for name, n in _expert_sizes(model, elem) if _layer_of(name) in placement.cpu_layers)
+        weights[f"routed experts in RAM ({placement.cpu_format})"] = placement.cpu_bytes
+        weights = {k: v for k, v in weights.items() if v}
+    on_device = sum(v for k, v in weights.items() if "in RAM" not in k)
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device == "cuda":
-        budget = int(gpu_memory_utilization * device_bytes) - sum(weights.values()) - activation
+        budget = gpu_budget - on_device
     else:
         budget = DEFAULT_CPU_KV_MEMORY
-    problems = []
-    if device == "cuda" and sum(weights.values()) + activation > gpu_memory_utilization * device_bytes:
+    if device == "cuda" and not placement.problems and on_device > gpu_budget:
         problems.append(
-            f"the weights ({sum(weights.values()) / GiB:.2f} GiB) and activations do not fit in "
-            f"{gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB; use a bigger GPU or a smaller model "
-            "(expert offload to system RAM is planned)"
+            f"the weights ({on_device / GiB:.2f} GiB) and activations do not fit in "
+            f"{gpu_memory_utilization} x {device_bytes / GiB:.1f} GiB; use a bigger GPU, a smaller model or "
+            "offload routed experts to RAM (--cpu-moe, --n-cpu-moe N)"
         )
     kv_tokens = 0
     try:
         kv_tokens = kv_blocks(budget, kv_per_token * block_size, max_len, block_size, max_num_seqs) * block_size
     except MemoryError as e:
-        problems.append(str(e))
+        if not placement.problems:  # the placement's message already says the KV cache does not fit
+            problems.append(str(e))
+    offload_problems = list(placement.problems)
     if device == "cpu":
-        problems += _host_memory_problems(sum(weights.values()), kv_tokens * kv_per_token)
+        problems += _host_memory_problems(sum(weights.values()), kv_tokens * kv_per_token, offload.cpu_memory)
+    elif placement.offloaded:
+        ram = offload.cpu_memory if offload.cpu_memory is not None else available_host_memory()
+        source = "--cpu-memory" if offload.cpu_memory is not None else "this machine's available RAM"
+        offload_problems += ram_problems(placement, ram, source)
+        problems += offload_problems[len(placement.problems):]
     return MemoryPlan(path, model_type, dtype, device, weights, kv_per_token, max_len,
-                      max_num_seqs, device_bytes, activation, budget, kv_tokens, problems, config_only)
+                      max_num_seqs, device_bytes, activation, budget, kv_tokens, problems, config_only,
+                      placement, machine, tuple(offload_problems))
 
 
-def _host_memory_problems(weights_bytes: int, kv_bytes: int) -> list[str]:
-    """On CPU the weights and the KV cache both live in this machine's RAM."""
-    available = available_host_memory()
+def _layer_of(name: str) -> int | None:
+    m = LAYER_INDEX.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _expert_sizes(model: torch.nn.Module, elem: int) -> list[tuple[str, int]]:
+    return [(name, p.numel() * elem) for name, p in model.named_parameters() if ".experts." in name]
+
+
+def _host_memory_problems(weights_bytes: int, kv_bytes: int, cpu_memory: int | None = None) -> list[str]:
+    """On CPU the weights and the KV cache both live in RAM: this machine's, or `cpu_memory`."""
+    available = cpu_memory if cpu_memory is not None else available_host_memory()
     if available is None or weights_bytes + kv_bytes <= available:
         return []
+    where = "--cpu-memory is" if cpu_memory is not None else "this machine has"
     return [f"the weights ({weights_bytes / GiB:.2f} GiB) and the KV cache ({kv_bytes / GiB:.2f} GiB) need "
-            f"{(weights_bytes + kv_bytes) / GiB:.2f} GiB but this machine has {available / GiB:.2f} GiB of RAM "
+            f"{(weights_bytes + kv_bytes) / GiB:.2f} GiB but {where} {available / GiB:.2f} GiB of RAM "
             "available; free memory, lower --kv-cache-memory, use a smaller --dtype or a smaller model"]  # fmt: skip
 
 

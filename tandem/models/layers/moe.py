@@ -85,6 +85,10 @@ class TorchMoEExecutor:
         return out
 
 
+def _detached(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("this MoE block's experts were detached for offloading but no executor was installed")
+
+
 class SparseMoeBlock(nn.Module):
     """Router `gate` (Linear H -> E, no bias) -> softmax (float32) -> top-k, renormalised over the
     chosen k when `norm_topk_prob`; then the routed experts through the executor."""
@@ -112,6 +116,18 @@ class SparseMoeBlock(nn.Module):
 
     def set_executor(self, executor: MoEExecutor) -> None:
         self.executor = executor
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the routed experts live elsewhere (RAM: see tandem/offload/), out of this module."""
+        return len(self.experts) == 0
+
+    def detach_experts(self) -> None:
+        """Drop the expert modules (call on the meta model, before it is materialised): their weights
+        are loaded into an offloaded executor instead, so they take no device memory and no
+        state_dict entries. Until `set_executor` installs that executor the block cannot run."""
+        self.experts = nn.ModuleList()
+        self.executor = _detached
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in hidden's dtype)."""

@@ -1,0 +1,309 @@
+"""Expert placement: per MoE layer, whether its routed experts live on the GPU or in system RAM
+(computed there by the CPU expert executor), decided before anything is loaded.
+
+Everything else (embeddings, attention, routers, dense MLPs, shared experts, norms, the KV cache)
+stays on the GPU. The sizes come from a meta-device model, so a config.json alone is enough.
+
+Policy, in the order the flags are read:
+  * `--cpu-moe`: every MoE layer's routed experts in RAM, except `--gpu-resident-moe-layers`.
+  * `--n-cpu-moe N`: those of layers 0..N-1 in RAM (llama.cpp's meaning), the rest on the GPU.
+  * no flag: all on the GPU when weights, activations and a KV cache for one `--max-model-len`
+    request fit the budget; else every MoE layer offloaded, then whole MoE layers kept on the GPU
+    (from layer 0 up, `--gpu-resident-moe-layers auto`) while that KV cache still fits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.config import OffloadConfig
+from tandem.models.loader import LAYER_INDEX
+
+GiB = 1024**3
+MiB = 1024**2
+LOSSY_CONVERSIONS = frozenset({"int8", "int4", "mxfp4"})  # from a bf16 / fp32 checkpoint
+
+
+def expert_bytes(fmt: str, hidden: int, inter: int) -> int:
+    """Bytes of one routed expert (gate, up [I, H] and down [H, I]) in the CPU kernel's format:
+    what reading it for one token costs. Scales: int8 one fp32 per output row, int4 one fp32 per
+    32 inputs, mxfp4 one e8m0 byte per 32 inputs."""
+    n = 3 * hidden * inter
+    if fmt == "fp32":
+        return 4 * n
+    if fmt == "bf16":
+        return 2 * n
+    if fmt == "int8":
+        return n + 4 * (2 * inter + hidden)
+    if fmt == "int4":
+        return n // 2 + 4 * (n // 32)
+    if fmt == "mxfp4":
+        return n // 2 + n // 32
+    raise ValueError(f"unknown CPU expert format {fmt!r}")
+
+
+def resolve_cpu_format(requested: str, dtype: torch.dtype) -> str:
+    """`--cpu-moe-dtype auto` keeps the run dtype's values: fp32 -> fp32, bf16 -> bf16, fp16 ->
+    fp32 (bf16 would round fp16 values; fp32 holds them exactly)."""
+    if requested != "auto":
+        return requested
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    layer: int
+    moe: bool
+    experts_on: str | None  # "gpu" | "cpu" (None: a dense layer)
+    gpu_bytes: int  # attention, norms, router, dense MLP, and the experts when on the GPU
+    cpu_bytes: int  # routed experts in RAM, in the CPU format
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each layer's weights live. `cpu_layers` is what the loader and the engine read."""
+
+    layers: tuple[LayerPlacement, ...]
+    cpu_format: str
+    reason: str  # why experts are (or are not) offloaded
+    global_gpu_bytes: int  # embeddings, lm_head, final norm
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    inter_size: int
+    run_elem: int  # bytes per element of the run dtype
+    problems: tuple[str, ...] = field(default=())
+
+    @property
+    def cpu_layers(self) -> tuple[int, ...]:
+        return tuple(p.layer for p in self.layers if p.experts_on == "cpu")
+
+    @property
+    def gpu_moe_layers(self) -> tuple[int, ...]:
+        return tuple(p.layer for p in self.layers if p.experts_on == "gpu")
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.cpu_layers)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.global_gpu_bytes + sum(p.gpu_bytes for p in self.layers)
+
+    @property
+    def cpu_bytes(self) -> int:
+        return sum(p.cpu_bytes for p in self.layers)
+
+    @property
+    def lossy(self) -> bool:
+        return self.offloaded and self.cpu_format in LOSSY_CONVERSIONS
+
+    def render(self) -> list[str]:
+        """The per-layer table; runs of identical layers are folded into one row."""
+        lines = [f"  expert placement: {self.reason}"]
+        if self.offloaded:
+            lossy = " (a LOSSY conversion of the checkpoint's weights)" if self.lossy else ""
+            lines.append(f"  routed experts in RAM as {self.cpu_format}{lossy}: {len(self.cpu_layers)} of "
+                         f"{len(self.cpu_layers) + len(self.gpu_moe_layers)} MoE layers")
+        lines.append(f"    {'layers':<12} {'kind':<6} {'experts on':<11} {'GPU MiB':>9} {'RAM MiB':>9}")
+        rows: list[tuple[int, int, LayerPlacement]] = []
+        for p in self.layers:
+            last = rows[-1][2] if rows else None
+            if last is not None and (last.moe, last.experts_on, last.gpu_bytes, last.cpu_bytes) == (
+                p.moe, p.experts_on, p.gpu_bytes, p.cpu_bytes
+            ):
+                rows[-1] = (rows[-1][0], p.layer, last)
+            else:
+                rows.append((p.layer, p.layer, p))
+        for first, last_layer, p in rows:
+            span = str(first) if first == last_layer else f"{first}-{last_layer}"
+            each = " each" if first != last_layer else ""
+            lines.append(f"    {span:<12} {'moe' if p.moe else 'dense':<6} {p.experts_on or '-':<11} "
+                         f"{p.gpu_bytes / MiB:9.1f} {p.cpu_bytes / MiB:9.1f}{each}")
+        lines.append(f"    {'(global)':<12} {'':<6} {'':<11} {self.global_gpu_bytes / MiB:9.1f} {0:9.1f}"
+                     "   embeddings, lm_head, final norm")
+        lines.append(f"  weights on the GPU {self.gpu_bytes / GiB:.2f} GiB, routed experts in RAM "
+                     f"{self.cpu_bytes / GiB:.2f} GiB")
+        return lines
+
+    # -- what one decode step reads ----------------------------------------------------------
+    def distinct_experts(self, batch: int) -> float:
+        """Expected distinct experts a layer's batch touches under uniform routing."""
+        e, k = self.num_experts, self.top_k
+        return e * (1.0 - (1.0 - k / e) ** batch) if e else 0.0
+
+    def bytes_per_step(self, batch: int) -> tuple[int, int]:
+        """(GPU weight bytes, RAM expert bytes) one decode step of `batch` tokens reads: every
+        non-expert weight but the embedding table, and each touched expert once."""
+        touched = self.distinct_experts(batch)
+        per_cpu = expert_bytes(self.cpu_format, self.hidden_size, self.inter_size) if self.offloaded else 0
+        per_gpu = 3 * self.hidden_size * self.inter_size * self.run_elem
+        gpu = self.global_gpu_bytes // 2  # the lm_head (an embedding lookup reads a few rows)
+        cpu = 0
+        for p in self.layers:
+            if p.experts_on == "cpu":
+                gpu += p.gpu_bytes
+                cpu += int(touched * per_cpu)
+            elif p.experts_on == "gpu":
+                gpu += p.gpu_bytes - self.num_experts * per_gpu + int(touched * per_gpu)
+            else:
+                gpu += p.gpu_bytes
+        return gpu, cpu
+
+
+def _layer_sizes(model: torch.nn.Module, elem: int) -> tuple[dict[int, int], dict[int, int], int]:
+    """(layer -> non-expert bytes, layer -> routed-expert bytes, bytes outside layers), run dtype."""
+    other: dict[int, int] = {}
+    experts: dict[int, int] = {}
+    outside = 0
+    for name, p in model.named_parameters():  # tied parameters once
+        m = LAYER_INDEX.search(name)
+        n = p.numel() * elem
+        if m is None:
+            outside += n
+        elif ".experts." in name:
+            experts[int(m.group(1))] = experts.get(int(m.group(1)), 0) + n
+        else:
+            other[int(m.group(1))] = other.get(int(m.group(1)), 0) + n
+    return other, experts, outside
+
+
+def plan_placement(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    offload: OffloadConfig,
+    gpu_budget: int | None,
+    kv_min_bytes: int,
+) -> Placement:
+    """Decide per layer. `model` may be on the meta device. `gpu_budget` is what weights and the
+    KV cache may take on the GPU (after activations and CUDA overhead; None on a CPU run, where
+    everything is in RAM and `--cpu-moe` only chooses the CPU kernel over the torch experts).
+    `kv_min_bytes` is the KV cache of one --max-model-len request. Problems (the GPU part does not
+    fit) are returned in `problems`, with the flag that would fix them."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    other, experts, outside = _layer_sizes(model, elem)
+    blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else {}
+    num_layers = max([*other, *experts], default=-1) + 1
+    fmt = resolve_cpu_format(offload.cpu_moe_dtype, dtype)
+    first = next(iter(blocks.values()), None)
+    num_experts, top_k = (first.num_experts, first.top_k) if first is not None else (0, 0)
+    hidden, inter = tuple(first.experts[0].down_proj.weight.shape) if first is not None else (0, 0)
+    per_cpu = expert_bytes(fmt, hidden, inter) if first is not None else 0
+
+    def placement(cpu: set[int], reason: str, problems: tuple[str, ...] = ()) -> Placement:
+        layers = []
+        for i in range(num_layers):
+            on_cpu = i in cpu and i in blocks
+            gpu = other.get(i, 0) + (0 if on_cpu else experts.get(i, 0))
+            ram = blocks[i].num_experts * per_cpu if on_cpu else 0
+            layers.append(LayerPlacement(i, i in blocks, ("cpu" if on_cpu else "gpu") if i in blocks else None, gpu, ram))
+        return Placement(tuple(layers), fmt, reason, outside, num_experts, top_k, hidden, inter, elem, problems)
+
+    resident = offload.gpu_resident_moe_layers
+    if isinstance(resident, tuple) and (unknown := sorted(set(resident) - set(blocks))):
+        raise ValueError(f"--gpu-resident-moe-layers {','.join(map(str, unknown))}: not MoE layers of this model "
+                         f"(its MoE layers: {_ranges(sorted(blocks))})")
+    if offload.n_cpu_moe is not None and resident is not None:
+        raise ValueError("--gpu-resident-moe-layers goes with --cpu-moe or automatic offload, not --n-cpu-moe "
+                         "(which already keeps the layers from N up on the GPU)")
+    if not blocks:
+        if offload.forced:
+            raise ValueError("--cpu-moe / --n-cpu-moe: this model has no MoE layers (no routed experts to offload)")
+        return placement(set(), "no MoE layers")
+    if gpu_budget is None:  # a CPU run: all in RAM; the flags choose the CPU kernel for the experts
+        if offload.cpu_moe:
+            return placement(set(blocks), "CPU run, --cpu-moe: routed experts on the CPU expert kernel")
+        if offload.n_cpu_moe is not None:
+            cpu = {i for i in blocks if i < offload.n_cpu_moe}
+            return placement(cpu, f"CPU run, --n-cpu-moe {offload.n_cpu_moe}: those layers on the CPU expert kernel")
+        return placement(set(), "CPU run: routed experts run by the torch executor (--cpu-moe for the CPU kernel)")
+
+    fixed = outside + sum(other.values()) + kv_min_bytes
+
+    def gpu_need(cpu: set[int]) -> int:
+        return fixed + sum(n for i, n in experts.items() if i not in cpu)
+
+    if offload.n_cpu_moe is not None:
+        cpu = {i for i in blocks if i < offload.n_cpu_moe}
+        reason = f"--n-cpu-moe {offload.n_cpu_moe}: routed experts of layers 0..{offload.n_cpu_moe - 1} in RAM"
+        if gpu_need(cpu) <= gpu_budget:
+            return placement(cpu, reason)
+        fix = next((n for n in range(offload.n_cpu_moe + 1, num_layers + 1)
+                    if gpu_need({i for i in blocks if i < n}) <= gpu_budget), None)
+        hint = f"raise --n-cpu-moe to {fix}" if fix is not None else "lower --max-model-len or use a bigger GPU"
+        return placement(cpu, reason, (_gpu_shortfall(gpu_need(cpu), gpu_budget, kv_min_bytes, hint),))
+    if not offload.cpu_moe and gpu_need(set()) <= gpu_budget:
+        return placement(set(), "everything fits the GPU")
+    all_cpu = set(blocks)
+    if not offload.cpu_moe and gpu_need(all_cpu) > gpu_budget:  # offloading would not make it fit
+        hint = "lower --max-model-len, raise --gpu-memory-utilization or use a bigger GPU"
+        problem = "the weights and activations do not fit even with every routed expert in RAM: "
+        return placement(set(), "nothing offloaded: it would not fit the GPU even so",
+                         (problem + _gpu_shortfall(gpu_need(all_cpu), gpu_budget, kv_min_bytes, hint),))
+    if offload.cpu_moe:
+        reason = "--cpu-moe: routed experts of every MoE layer in RAM"
+        resident = resident if resident is not None else ()
+    else:
+        reason = (f"the model needs {gpu_need(set()) / GiB:.2f} GiB on the GPU (with a KV cache for one "
+                  f"--max-model-len request) but the budget is {gpu_budget / GiB:.2f} GiB: routed experts in RAM")
+        resident = resident if resident is not None else "auto"
+    if resident == "auto":
+        kept: list[int] = []
+        for i in sorted(blocks):
+            if gpu_need(all_cpu - {*kept, i}) <= gpu_budget:
+                kept.append(i)
+        resident = tuple(kept)
+        reason += f", {len(kept)} whole MoE layers kept on the GPU (auto: {_ranges(kept) or 'none fit'})"
+    elif resident:
+        reason += f", MoE layers {_ranges(list(resident))} kept on the GPU (--gpu-resident-moe-layers)"
+    cpu = all_cpu - set(resident)
+    if gpu_need(cpu) <= gpu_budget:
+        return placement(cpu, reason)
+    hint = ("keep fewer --gpu-resident-moe-layers" if resident else
+            "lower --max-model-len, raise --gpu-memory-utilization or use a bigger GPU")
+    return placement(cpu, reason, (_gpu_shortfall(gpu_need(cpu), gpu_budget, kv_min_bytes, hint),))
+
+
+def _gpu_shortfall(need: int, budget: int, kv_min: int, hint: str) -> str:
+    return (f"the GPU part needs {need / GiB:.2f} GiB (of which {kv_min / GiB:.2f} GiB KV cache for one "
+            f"--max-model-len request) but the budget leaves {max(budget, 0) / GiB:.2f} GiB "
+            f"({(need - budget) / GiB:.2f} GiB short); {hint}")
+
+
+def ram_problems(placement: Placement, available: int | None, source: str) -> list[str]:
+    """The routed experts in RAM against the machine's RAM (`source` names where the figure is from)."""
+    need = placement.cpu_bytes
+    if available is None or need <= available:
+        return []
+    fixes = ["--cpu-moe-dtype int4 (lossy)" if placement.cpu_format not in ("int4", "mxfp4") else None,
+             "keep more MoE layers on the GPU (--gpu-resident-moe-layers, --n-cpu-moe)"]
+    return [f"the routed experts in RAM need {need / GiB:.2f} GiB but {source} is {available / GiB:.2f} GiB "
+            f"({(need - available) / GiB:.2f} GiB short); " + " or ".join(f for f in fixes if f)]
+
+
+def predict_decode_seconds(placement: Placement, batch: int, ram_read: float, gpu_read: float,
+                           roundtrip: float) -> float:
+    """Seconds per decode step of `batch` tokens at the bandwidths given (bytes/s): GPU weights at
+    `gpu_read`, offloaded experts at `ram_read`, plus one GPU->CPU->GPU round trip per offloaded
+    layer. The CPU and GPU parts of a layer run one after the other (Qwen3 has no shared expert
+    to overlap with)."""
+    gpu, cpu = placement.bytes_per_step(batch)
+    return gpu / gpu_read + cpu / ram_read + len(placement.cpu_layers) * roundtrip
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out: list[str] = []
+    for i in sorted(indices):
+        if out and (m := re.fullmatch(r"(\d+)(?:-(\d+))?", out[-1])) and int(m.group(2) or m.group(1)) == i - 1:
+            out[-1] = f"{m.group(1)}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
+__all__ = ["LayerPlacement", "Placement", "expert_bytes", "plan_placement", "predict_decode_seconds",
+           "ram_problems", "resolve_cpu_format"]
