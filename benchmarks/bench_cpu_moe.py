@@ -1,0 +1,313 @@
+"""The CPU routed-expert kernel (tandem/offload/cpu_experts.py) at decode / verify batch sizes,
+against the machine's RAM read bandwidth and against torch's own CPU paths on the same shapes.
+
+Per shape, format and batch: random routing with the shape's top-k over the kept experts, weights
+cold (several layers cycled per call, their experts together far larger than the L3), the median
+time of one layer call (`HostJob.run()`, the path a CUDA host node takes), the distinct experts a
+call touched, bytes = distinct x bytes per expert, GB/s and its share of the measured read
+bandwidth. Baselines: a per-expert torch bf16 loop (F.linear per expert hit) and torch's
+`_weight_int4pack_mm_for_cpu` (int4, groups of 32) where this torch has it.
+
+    python benchmarks/bench_cpu_moe.py --shape both --fmt bf16,mxfp4,int4 --batches 1,2,4,8 --out results.json
+    python benchmarks/bench_cpu_moe.py --quick          # a small shape, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tandem.offload import cpu_experts as ce  # noqa: E402
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+SHAPES = {
+    "qwen3-30b": Shape("qwen3-30b", 2048, 768, 128, 8),
+    "v4-flash": Shape("v4-flash", 4096, 2048, 256, 6),
+}
+QUICK = Shape("quick", 1024, 512, 32, 4)
+SEEDS = 4  # distinct experts generated per format; the others are copies (DRAM does not dedupe)
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def plan_layers(layer_bytes: int, args: argparse.Namespace) -> int:
+    """Layers to cycle: enough for a cold working set (>= args.working_set), within the budget."""
+    want = args.layers or max(2, min(8, math.ceil(args.working_set / layer_bytes)))
+    return min(want, int(args.budget // layer_bytes))
+
+
+def routing(shape: Shape, kept: int, batch: int, calls: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = min(shape.top_k, kept)
+    ids = torch.rand(calls, batch, kept, generator=g).topk(k, dim=-1).indices  # [C, T, k] distinct per token
+    w = torch.rand(calls, batch, k, generator=g)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def seed_layer(shape: Shape, fmt: str) -> ce.CpuExpertLayer:
+    """SEEDS random experts packed in `fmt` (mxfp4: random codes, scales in a narrow range)."""
+    h, i = shape.hidden, shape.inter
+    layer = ce.CpuExpertLayer.empty(SEEDS, h, i, fmt)
+    g = torch.Generator().manual_seed(0)
+    for e in range(SEEDS):
+        if fmt == "mxfp4":
+            def part(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+                return (torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8),
+                        torch.randint(118, 123, (rows, cols // 32), generator=g, dtype=torch.uint8))
+            layer.set_expert_mxfp4(e, part(i, h), part(i, h), part(h, i))
+        else:
+            layer.set_expert(e, torch.randn(i, h, generator=g) / h**0.5, torch.randn(i, h, generator=g) / h**0.5,
+                             torch.randn(h, i, generator=g) / i**0.5)
+    return layer
+
+
+def copies(seeds: list[torch.Tensor], kept: int) -> list[torch.Tensor]:
+    """Each seed tensor [SEEDS, ...] -> [kept, ...] in fresh memory."""
+    out = []
+    for s in seeds:
+        t = torch.empty((kept, *s.shape[1:]), dtype=s.dtype)
+        for j in range(kept):
+            t[j].copy_(s[j % SEEDS])
+        out.append(t)
+    return out
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def row(shape: Shape, impl: str, batch: int, seconds: float, ids: torch.Tensor, bytes_per_expert: int,
+        bandwidth: float) -> dict:
+    distinct = statistics.mean(len(c.unique()) for c in ids)
+    nbytes = distinct * bytes_per_expert
+    return {"shape": shape.name, "impl": impl, "batch": batch, "median_us": seconds * 1e6, "distinct": distinct,
+            "mb_per_call": nbytes / 1e6, "gbps": nbytes / seconds / 1e9, "ram_gbps": bandwidth / 1e9,
+            "share": nbytes / seconds / bandwidth}
+
+
+def probe(args: argparse.Namespace, impl: str) -> float:
+    """RAM read bandwidth now, with the weights built (a shared machine drifts during a run)."""
+    bandwidth = ce.measure_read_bandwidth(int(args.bw_gib * GiB), repeats=5)
+    print(f"  {impl}: RAM read {bandwidth / 1e9:.1f} GB/s")
+    return bandwidth
+
+
+def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) -> list[dict]:
+    seed = seed_layer(shape, fmt)
+    layer_bytes = kept * seed.bytes_per_expert
+    n_layers = plan_layers(layer_bytes, args)
+    if n_layers < 1:
+        print(f"  skip tandem-{fmt}: one layer needs {layer_bytes / GiB:.1f} GiB, budget {args.budget / GiB:.1f} GiB")
+        return []
+    layers = []
+    for _ in range(n_layers):
+        layer = ce.CpuExpertLayer.empty(kept, shape.hidden, shape.inter, fmt)
+        for j in range(kept):
+            layer.data[j].copy_(seed.data[j % SEEDS])
+        layers.append(layer)
+    print(f"  tandem-{fmt}: {n_layers} layers x {layer_bytes / GiB:.2f} GiB, {ce.kernel_isa()}, {ce.num_threads()} threads")
+    bandwidth = probe(args, f"tandem-{fmt}")
+    rows = []
+    for batch in args.batches:
+        ids, w = routing(shape, kept, batch, args.calls + args.warmup, seed=batch)
+        x = torch.randn(batch, shape.hidden).bfloat16()
+        out = torch.empty_like(x)
+        stage_ids, stage_w = torch.empty_like(ids[0]), torch.empty_like(w[0]).bfloat16()
+        count = torch.tensor([batch], dtype=torch.int32)
+        jobs = [layer.host_job(x, stage_ids, stage_w, out, count) for layer in layers]
+        times = []
+        for c in range(args.warmup + args.calls):
+            stage_ids.copy_(ids[c]), stage_w.copy_(w[c])  # untimed, as the D2H copy would be
+            times.append(seconds(jobs[c % len(jobs)].run))
+        median = statistics.median(times[args.warmup:])
+        rows.append(row(shape, f"tandem-{fmt}", batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth))
+    return rows
+
+
+def torch_bf16_loop(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """A per-expert torch loop (what tandem's "torch" executor does), bf16 weights."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = x[tok]
+        y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])
+        out.index_add_(0, tok, y * w[tok, slot, None].to(x.dtype))
+    return out
+
+
+def bench_torch_bf16(shape: Shape, kept: int, args: argparse.Namespace) -> list[dict]:
+    h, i = shape.hidden, shape.inter
+    per_expert = 3 * h * i * 2
+    n_layers = plan_layers(kept * per_expert, args)
+    if n_layers < 1:
+        print(f"  skip torch-bf16-loop: one layer needs {kept * per_expert / GiB:.1f} GiB")
+        return []
+    g = torch.Generator().manual_seed(1)
+    seeds = [torch.randn(SEEDS, i, h, generator=g).bfloat16(), torch.randn(SEEDS, i, h, generator=g).bfloat16(),
+             torch.randn(SEEDS, h, i, generator=g).bfloat16()]
+    layers = [copies(seeds, kept) for _ in range(n_layers)]
+    print(f"  torch-bf16-loop: {n_layers} layers, {torch.get_num_threads()} torch threads")
+    bandwidth = probe(args, "torch-bf16-loop")
+    rows = []
+    for batch in args.batches:
+        ids, w = routing(shape, kept, batch, args.calls + args.warmup, seed=batch)
+        x = torch.randn(batch, h).bfloat16()
+        times = [seconds(functools.partial(torch_bf16_loop, x, ids[c], w[c], *layers[c % n_layers]))
+                 for c in range(args.warmup + args.calls)]
+        median = statistics.median(times[args.warmup:])
+        rows.append(row(shape, "torch-bf16-loop", batch, median, ids[args.warmup:], per_expert, bandwidth))
+    return rows
+
+
+def bench_torch_int4(shape: Shape, kept: int, args: argparse.Namespace) -> list[dict]:
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        print("  skip torch-int4pack: this torch has no _weight_int4pack_mm_for_cpu")
+        return []
+    h, i = shape.hidden, shape.inter
+    g = torch.Generator().manual_seed(2)
+
+    def pack(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+        sz = torch.zeros(k // 32, n, 2, dtype=torch.bfloat16)
+        sz[..., 0] = 0.01
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), sz
+
+    seed = [pack(i, h), pack(i, h), pack(h, i)]
+    per_expert = sum(p.numel() + sz.numel() * 2 for p, sz in seed)
+    n_layers = plan_layers(kept * per_expert, args)
+    if n_layers < 1:
+        return []
+    stacked = [torch.stack([p] * SEEDS) for p, _ in seed] + [torch.stack([sz] * SEEDS) for _, sz in seed]
+    layers = [copies(stacked, kept) for _ in range(n_layers)]
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+    def forward(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        gp, up, dp, gs, us, ds = weights  # int4-packed gate / up / down [kept, ...] and their scales
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            hh = x[tok]
+            y = mm(F.silu(mm(hh, gp[e], 32, gs[e])) * mm(hh, up[e], 32, us[e]), dp[e], 32, ds[e])
+            out.index_add_(0, tok, y * w[tok, slot, None].to(x.dtype))
+        return out
+
+    print(f"  torch-int4pack: {n_layers} layers")
+    bandwidth = probe(args, "torch-int4pack")
+    rows = []
+    for batch in args.batches:
+        ids, w = routing(shape, kept, batch, args.calls + args.warmup, seed=batch)
+        x = torch.randn(batch, h).bfloat16()
+        times = [seconds(functools.partial(forward, x, ids[c], w[c], *layers[c % n_layers]))
+                 for c in range(args.warmup + args.calls)]
+        median = statistics.median(times[args.warmup:])
+        rows.append(row(shape, "torch-int4pack", batch, median, ids[args.warmup:], per_expert, bandwidth))
+    return rows
+
+
+def print_table(rows: list[dict], bandwidth: float) -> None:
+    print(f"\nRAM read bandwidth (same pool), at the start: {bandwidth / 1e9:.1f} GB/s; 'of bw' is against the probe "
+          "taken just before each implementation's calls (column 'RAM')")
+    print(f"{'shape':<10} {'impl':<16} {'batch':>5} {'us/call':>9} {'experts':>8} {'MB/call':>8} {'GB/s':>7} "
+          f"{'RAM':>6} {'of bw':>6}")
+    for r in rows:
+        print(f"{r['shape']:<10} {r['impl']:<16} {r['batch']:>5} {r['median_us']:>9.0f} {r['distinct']:>8.1f} "
+              f"{r['mb_per_call']:>8.1f} {r['gbps']:>7.1f} {r['ram_gbps']:>6.1f} {r['share'] * 100:>5.0f}%")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="both", choices=[*SHAPES, "both"])
+    p.add_argument("--fmt", default="bf16,mxfp4,int4", help=f"comma list of {','.join(ce.WEIGHT_FORMATS)}")
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--threads", type=int, default=None, help="kernel (and torch) threads; default the kernel's")
+    p.add_argument("--isa", default=None, choices=ce.ISAS, help="force the kernel's ISA (default the best)")
+    p.add_argument("--num-experts-kept", type=int, default=None, help="route over this many experts (default all)")
+    p.add_argument("--layers", type=int, default=0, help="layers cycled per call (default: enough for a cold working set)")
+    p.add_argument("--calls", type=int, default=50, help="timed calls per batch")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--bw-gib", type=float, default=1.0, help="buffer of the read-bandwidth probe")
+    p.add_argument("--max-gib", type=float, default=None, help="memory for one run's weights (default 70%% of available)")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    p.add_argument("--quick", action="store_true", help="a small shape and few calls: seconds")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    fmts = args.fmt.split(",")
+    for fmt in fmts:
+        if fmt not in ce.WEIGHT_FORMATS:
+            p.error(f"unknown format {fmt!r}")
+    shapes = [QUICK] if args.quick else list(SHAPES.values()) if args.shape == "both" else [SHAPES[args.shape]]
+    if args.quick:
+        args.calls, args.warmup, args.bw_gib = min(args.calls, 20), 3, min(args.bw_gib, 0.5)
+    args.working_set = (0.5 if args.quick else 2.0) * GiB
+    args.budget = (args.max_gib * GiB) if args.max_gib else 0.7 * available_bytes()
+    if args.threads:
+        ce.set_threads(args.threads)
+    ce.set_isa(args.isa)
+    torch.set_num_threads(ce.num_threads())
+
+    bandwidth = ce.measure_read_bandwidth(int(args.bw_gib * GiB), repeats=5)
+    print(f"{cpu_name()}: kernel {ce.kernel_isa()}, {ce.num_threads()} threads, "
+          f"RAM read {bandwidth / 1e9:.1f} GB/s")
+    rows: list[dict] = []
+    for shape in shapes:
+        kept = min(args.num_experts_kept or shape.experts, shape.experts)
+        print(f"{shape.name}: H={shape.hidden} I={shape.inter} E={shape.experts} (kept {kept}) k={shape.top_k}")
+        for fmt in fmts:
+            rows += bench_tandem(shape, fmt, kept, args)
+        if not args.no_torch:
+            rows += bench_torch_bf16(shape, kept, args)
+            rows += bench_torch_int4(shape, kept, args)
+    print_table(rows, bandwidth)
+    if args.out:
+        meta = {"isa": ce.kernel_isa(), "threads": ce.num_threads(), "ram_read_gbps": bandwidth / 1e9,
+                "cpu": cpu_name(), "torch": torch.__version__}
+        args.out.write_text(json.dumps({"machine": meta, "rows": rows}, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""Routed experts of one MoE layer in RAM, computed by Tandem's CPU expert kernel.
+
+`CpuExpertLayer` holds every expert of a layer packed once (at load) into the kernel's blocked
+layout (tandem/offload/cpu_kernels/moe.h) inside one torch uint8 tensor, and is a MoEExecutor:
+`layer(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]`. Decode is bound by RAM
+bandwidth: each distinct expert of a call is streamed once, whatever the number of its tokens.
+
+Formats: fp32 (exact; what CI checks), bf16 (Qwen3's checkpoint dtype), int8 (per output row) and
+int4 (groups of 32 inputs, bf16 scales) — both lossy conversions of a bf16 checkpoint, opt-in —
+and mxfp4 (E2M1 codes with E8M0 scales per 32 inputs: DeepSeek-V4-Flash's own expert format,
+kept as stored). Math is fp32: activations are widened, weights decoded in registers, the SwiGLU
+intermediate fp32 — except on ISA "avx512bf16" with a bf16 hidden state and bf16 / int4 / mxfp4
+weights, where vdpbf16ps takes the bf16 activations as they are and the intermediate is rounded to
+bf16 (as the bf16 model on the GPU rounds it); `set_isa("avx512")` keeps that path fp32.
+
+The kernel library is compiled on first use (tandem/offload/cpu_build.py). `TANDEM_CPU_ISA`
+(scalar | avx2 | avx512 | avx512bf16) forces an ISA for debugging.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tandem.offload.cpu_build import CpuKernelBuildError, load_library
+
+__all__ = [
+    "WEIGHT_FORMATS", "LOSSY_FORMATS", "CpuKernelBuildError", "CpuExpertLayer", "HostJob", "kernel_isa",
+    "supported_isas", "set_isa", "set_threads", "num_threads", "measure_read_bandwidth", "reference_moe",
+    "quantize_mxfp4",
+]
+
+WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "mxfp4")
+LOSSY_FORMATS: frozenset[str] = frozenset({"int8", "int4"})  # conversions that change a bf16 checkpoint's weights
+ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512bf16")  # the kernel's ISA codes, in order
+
+_FMT_CODE = {name: i for i, name in enumerate(WEIGHT_FORMATS)}
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2, torch.int64: 3}
+
+
+class _Call(ctypes.Structure):
+    """Mirror of `struct tandem_call` (moe_common.cpp)."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("expert_bytes", ctypes.c_int64),
+        ("num_experts", ctypes.c_int32), ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32), ("fmt", ctypes.c_int32),
+        ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_void_p),
+        ("rows", ctypes.c_int32), ("top_k", ctypes.c_int32),
+        ("x_dtype", ctypes.c_int32), ("ids_dtype", ctypes.c_int32), ("w_dtype", ctypes.c_int32),
+        ("status", ctypes.c_int32), ("bad_value", ctypes.c_int64),
+    ]
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    """The kernel library, typed, with the default thread count and any TANDEM_CPU_ISA applied."""
+    lib = load_library()
+    i, i64, p = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    for name, args, res in [
+        ("tandem_isa_supported", [i], i), ("tandem_best_isa", [], i), ("tandem_set_isa", [i], i),
+        ("tandem_get_isa", [], i), ("tandem_set_threads", [i], None), ("tandem_num_threads", [], i),
+        ("tandem_expert_bytes", [i, i, i], i64), ("tandem_pack_expert", [i, i, i] + [p] * 7, None),
+        ("tandem_unpack_expert", [i, i, i, p, p, p, p], None), ("tandem_moe", [ctypes.POINTER(_Call)], i),
+        ("tandem_host_fn", [p], None), ("tandem_read_seconds", [p, i64, i, i], ctypes.c_double),
+        ("tandem_advise_huge_pages", [p, i64], i),
+    ]:
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    # One core stays free for the thread that drives the GPU (with every core busy a peer
+    # kernel stalled at 8 ms per call).
+    lib.tandem_set_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    lib.tandem_set_isa(lib.tandem_best_isa())
+    forced = os.environ.get("TANDEM_CPU_ISA")  # debugging switch
+    if forced:
+        _set_isa(lib, forced, source="TANDEM_CPU_ISA")
+    return lib
+
+
+def _supported(lib: ctypes.CDLL) -> tuple[str, ...]:
+    return tuple(name for code, name in enumerate(ISAS) if lib.tandem_isa_supported(code))
+
+
+def _set_isa(lib: ctypes.CDLL, isa: str | None, source: str = "set_isa") -> None:
+    supported = _supported(lib)
+    if isa is None:
+        lib.tandem_set_isa(lib.tandem_best_isa())
+        return
+    if isa not in ISAS:
+        raise ValueError(f"{source}: unknown ISA {isa!r}; known: {', '.join(ISAS)}")
+    if isa not in supported:
+        raise ValueError(f"{source}: this CPU cannot run the {isa} kernel; it supports {', '.join(supported)}")
+    lib.tandem_set_isa(ISAS.index(isa))
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The ISAs this CPU can run, slowest first ("scalar" always)."""
+    return _supported(_lib())
+
+
+def kernel_isa() -> str:
+    """The ISA the loaded kernel dispatches to: "avx512bf16" | "avx512" | "avx2" | "scalar"."""
+    return ISAS[_lib().tandem_get_isa()]
+
+
+def set_isa(isa: str | None) -> None:
+    """Force the kernel's ISA (tests, debugging); None picks the best this CPU has."""
+    _set_isa(_lib(), isa)
+
+
+def set_threads(n: int) -> None:
+    """Size the kernel's thread pool: n threads in all, the calling thread being one of them."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"set_threads needs a positive thread count, got {n!r}")
+    _lib().tandem_set_threads(n)
+
+
+def num_threads() -> int:
+    return _lib().tandem_num_threads()
+
+
+def measure_read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 3) -> float:
+    """RAM read bandwidth in bytes/s: the best of `repeats` streaming reads of an `nbytes` buffer
+    (far larger than the caches) by the kernel's own pool (resized to `threads` for the
+    measurement when given)."""
+    lib = _lib()
+    pool = lib.tandem_num_threads()
+    use = pool if threads is None else threads
+    if use < 1 or nbytes < 1 or repeats < 1:
+        raise ValueError(f"measure_read_bandwidth needs positive nbytes, threads and repeats; "
+                         f"got {nbytes}, {use}, {repeats}")
+    n = max(4096 * use, nbytes // 4096 * 4096)
+    buf = torch.empty(n + 64, dtype=torch.uint8)
+    lib.tandem_advise_huge_pages(buf.data_ptr(), buf.numel())  # as the experts' memory (CpuExpertLayer.empty)
+    buf.fill_(1)  # fault the pages in before timing
+    start = -buf.data_ptr() % 64
+    if use != pool:
+        lib.tandem_set_threads(use)
+    try:
+        seconds = lib.tandem_read_seconds(buf.data_ptr() + start, n, use, repeats)
+    finally:
+        if use != pool:
+            lib.tandem_set_threads(pool)
+    return n / seconds
+
+
+# ---- weight conversion ---------------------------------------------------------------------------
+
+
+def quantize_mxfp4(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [..., out, in] (in a multiple of 32) -> (blocks uint8 [..., out, in/2], scales uint8
+    [..., out, in/32]): per 32 inputs the E8M0 scale is the smallest power of two that brings the
+    block's max within 6, each value rounds to the nearest E2M1 value (ties to the even code);
+    low nibble = element 2i, high nibble = 2i+1, the code's top bit is the sign."""
+    if w.shape[-1] % 32:
+        raise ValueError(f"mxfp4 needs the input dimension to be a multiple of 32, got {w.shape[-1]}")
+    x = w.detach().to("cpu", torch.float32).reshape(*w.shape[:-1], w.shape[-1] // 32, 32)  # [..., G, 32]
+    amax = x.abs().amax(-1)  # [..., G]
+    mant, exp = torch.frexp(amax / 6)  # amax / 6 = mant * 2^exp, mant in [0.5, 1)
+    shift = exp - (mant == 0.5).to(exp.dtype)  # ceil(log2(amax / 6))
+    byte = torch.where(amax > 0, shift + 127, torch.full_like(shift, 127)).clamp(0, 254)
+    v = x / torch.ldexp(torch.ones_like(amax), byte - 127)[..., None]  # exact: a power of two
+    mag = v.abs()
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    code = torch.bucketize(mag, mids)  # a tie goes to the lower code ...
+    tie = (code < 7) & (mag == mids[code.clamp(max=6)])
+    code = code + (tie & (code % 2 == 1)).to(code.dtype)  # ... unless that one is odd
+    code = code | ((v < 0).to(code.dtype) << 3)
+    code = code.reshape(*w.shape).to(torch.uint8)
+    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
+    return blocks.contiguous(), byte.to(torch.uint8).contiguous()
+
+
+def _quantize(fmt: str, w: Tensor) -> tuple[Tensor, Tensor | None]:
+    """w [out, in] -> the row-major source tandem_pack_expert takes for `fmt` (moe_common.cpp)."""
+    if fmt == "mxfp4":
+        return quantize_mxfp4(w)
+    if fmt == "bf16":
+        return w.to(torch.bfloat16).contiguous().view(torch.int16), None
+    wf = w.to(torch.float32).contiguous()
+    if fmt == "fp32":
+        return wf, None
+    if fmt == "int8":  # symmetric per output row
+        scale = wf.abs().amax(1) / 127  # [out]
+        q = wf.div(scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).round_().clamp_(-127, 127)
+        return q.to(torch.int8), scale.contiguous()
+    # int4: symmetric groups of 32 inputs (zero-padded), one bf16 scale each
+    out, k = wf.shape
+    g = F.pad(wf, (0, -k % 32)).view(out, -1, 32)  # [out, G, 32]
+    scale = (g.abs().amax(-1) / 7).to(torch.bfloat16)  # [out, G]
+    s = scale.float().clamp_(min=torch.finfo(torch.float32).tiny)[..., None]  # an all-zero group stays 0
+    q = g.div_(s).round_().clamp_(-8, 7).to(torch.int8).view(out, -1)
+    return q.contiguous(), scale.view(torch.int16).contiguous()
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+# ---- the layer ----------------------------------------------------------------------------------------
+
+
+class CpuExpertLayer:
+    """One MoE layer's routed experts in RAM in the kernel layout."""
+
+    def __init__(self, data: Tensor, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str) -> None:
+        self.data = data  # [E, bytes_per_expert] uint8, the packed experts
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.fmt = fmt
+
+    @classmethod
+    def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str, *,
+              pin_memory: bool = False) -> CpuExpertLayer:
+        """Room for the experts, to be filled by `set_expert` (an expert not set holds garbage)."""
+        if fmt not in _FMT_CODE:
+            raise ValueError(f"unknown CPU expert format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}")
+        if min(num_experts, hidden_size, intermediate_size) < 1:
+            raise ValueError(f"experts, hidden and intermediate sizes must be positive, got "
+                             f"{num_experts}, {hidden_size}, {intermediate_size}")
+        if fmt == "mxfp4" and (hidden_size % 32 or intermediate_size % 32):
+            raise ValueError(f"mxfp4 needs hidden ({hidden_size}) and intermediate ({intermediate_size}) sizes "
+                             "that are multiples of 32")
+        per_expert = _lib().tandem_expert_bytes(_FMT_CODE[fmt], hidden_size, intermediate_size)
+        pin = pin_memory and torch.cuda.is_available()
+        data = torch.empty((num_experts, per_expert), dtype=torch.uint8, pin_memory=pin)  # [E, bytes]
+        if not pin:
+            _lib().tandem_advise_huge_pages(data.data_ptr(), data.numel())  # before the first touch
+        return cls(data, num_experts, hidden_size, intermediate_size, fmt)
+
+    @classmethod
+    def from_dense(cls, gate: Tensor, up: Tensor, down: Tensor, fmt: str, **kw) -> CpuExpertLayer:
+        """gate, up [E, I, H], down [E, H, I], any float dtype."""
+        if gate.dim() != 3:
+            raise ValueError(f"from_dense wants gate [E, I, H], got shape {tuple(gate.shape)}")
+        layer = cls.empty(gate.shape[0], gate.shape[2], gate.shape[1], fmt, **kw)
+        for e in range(layer.num_experts):
+            layer.set_expert(e, gate[e], up[e], down[e])
+        return layer
+
+    @classmethod
+    def from_mxfp4(cls, gate: tuple[Tensor, Tensor], up: tuple[Tensor, Tensor], down: tuple[Tensor, Tensor],
+                   **kw) -> CpuExpertLayer:
+        """Each a (blocks uint8 [E, out, in/2], scales uint8 [E, out, in/32]) pair, kept as stored."""
+        blocks = gate[0]
+        if blocks.dim() != 3:
+            raise ValueError(f"from_mxfp4 wants gate blocks [E, I, H/2], got shape {tuple(blocks.shape)}")
+        layer = cls.empty(blocks.shape[0], blocks.shape[2] * 2, blocks.shape[1], "mxfp4", **kw)
+        for e in range(layer.num_experts):
+            layer.set_expert_mxfp4(e, (gate[0][e], gate[1][e]), (up[0][e], up[1][e]), (down[0][e], down[1][e]))
+        return layer
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def _shapes(self) -> dict[str, tuple[int, int]]:
+        i, h = self.intermediate_size, self.hidden_size
+        return {"gate": (i, h), "up": (i, h), "down": (h, i)}
+
+    def _check_expert(self, e: int) -> None:
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"expert {e} is outside 0..{self.num_experts - 1}")
+
+    def set_expert(self, e: int, gate: Tensor, up: Tensor, down: Tensor) -> None:
+        """Pack expert e from dense gate, up [I, H] and down [H, I] (any float dtype), converting
+        to this layer's format; in place, one expert's temporaries at a time."""
+        self._check_expert(e)
+        parts = []
+        for name, w in (("gate", gate), ("up", up), ("down", down)):
+            if tuple(w.shape) != self._shapes()[name] or not w.is_floating_point():
+                raise ValueError(f"expert {e} {name}: want a float tensor of shape {self._shapes()[name]}, "
+                                 f"got {w.dtype} {tuple(w.shape)}")
+            parts.append(_quantize(self.fmt, w.detach().to("cpu")))
+        self._pack(e, parts)
+
+    def set_expert_mxfp4(self, e: int, gate: tuple[Tensor, Tensor], up: tuple[Tensor, Tensor],
+                         down: tuple[Tensor, Tensor]) -> None:
+        """Pack expert e from checkpoint MXFP4: (blocks uint8 [out, in/2], scales uint8 [out, in/32])."""
+        if self.fmt != "mxfp4":
+            raise ValueError(f"set_expert_mxfp4 needs an mxfp4 layer; this one is {self.fmt}")
+        self._check_expert(e)
+        parts = []
+        for name, (blocks, scales) in (("gate", gate), ("up", up), ("down", down)):
+            rows, cols = self._shapes()[name]
+            for what, t, shape in (("blocks", blocks, (rows, cols // 2)), ("scales", scales, (rows, cols // 32))):
+                if tuple(t.shape) != shape or t.dtype != torch.uint8:
+                    raise ValueError(f"expert {e} {name} {what}: want uint8 {shape}, got {t.dtype} {tuple(t.shape)}")
+            parts.append((blocks.detach().to("cpu").contiguous(), scales.detach().to("cpu").contiguous()))
+        self._pack(e, parts)
+
+    def _pack(self, e: int, parts: list[tuple[Tensor, Tensor | None]]) -> None:
+        (g, ga), (u, ua), (d, da) = parts
+        _lib().tandem_pack_expert(_FMT_CODE[self.fmt], self.hidden_size, self.intermediate_size, self.data[e].data_ptr(),
+                                  _ptr(g), _ptr(ga), _ptr(u), _ptr(ua), _ptr(d), _ptr(da))
+
+    def dequantized(self) -> tuple[Tensor, Tensor, Tensor]:
+        """fp32 gate, up [E, I, H] and down [E, H, I] exactly as the kernel sees them (for tests)."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        gate, up, down = torch.empty(e, i, h), torch.empty(e, i, h), torch.empty(e, h, i)
+        for x in range(e):
+            _lib().tandem_unpack_expert(_FMT_CODE[self.fmt], h, i, self.data[x].data_ptr(),
+                                        gate[x].data_ptr(), up[x].data_ptr(), down[x].data_ptr())
+        return gate, up, down
+
+    # ---- calls --------------------------------------------------------------------------------------
+
+    def __call__(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """hidden [T, H] f32/bf16, topk_ids [T, k] int32/int64, topk_weights [T, k] f32/bf16, all on
+        the CPU -> [T, H] in hidden's dtype."""
+        self._check(hidden, topk_ids, topk_weights, None)
+        hidden, topk_ids, topk_weights = hidden.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
+        out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        if hidden.shape[0] > 0:
+            self._run(self._call(hidden, topk_ids, topk_weights, out, None))
+        return out
+
+    def forward_into(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, out: Tensor,
+                     num_tokens: int | None = None) -> None:
+        """Like __call__ into `out` [rows, H] (hidden's dtype), computing only the first
+        `num_tokens` rows (default all) and leaving the others untouched; allocates nothing."""
+        self._check(hidden, topk_ids, topk_weights, out, contiguous=True)
+        rows = hidden.shape[0]
+        n = rows if num_tokens is None else num_tokens
+        if not 0 <= n <= rows:
+            raise ValueError(f"num_tokens {n} is outside 0..{rows} (the buffers' rows)")
+        if n > 0:
+            call = self._call(hidden, topk_ids, topk_weights, out, None)
+            call.rows = n
+            self._run(call)
+
+    def host_job(self, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, out: Tensor,
+                 num_tokens: Tensor) -> HostJob:
+        """A call bound to these (pinned) buffers for a CUDA host node; `num_tokens` (int32 [1],
+        CPU) is read when the job runs."""
+        self._check(hidden, topk_ids, topk_weights, out, contiguous=True)
+        if num_tokens.device.type != "cpu" or num_tokens.dtype != torch.int32 or num_tokens.numel() != 1:
+            raise ValueError(f"num_tokens must be a CPU int32 tensor of one element, got {num_tokens.dtype} "
+                             f"{tuple(num_tokens.shape)} on {num_tokens.device}")
+        call = self._call(hidden, topk_ids, topk_weights, out, num_tokens)
+        return HostJob(call, (self.data, hidden, topk_ids, topk_weights, out, num_tokens))
+
+    def _check(self, hidden: Tensor, ids: Tensor, weights: Tensor, out: Tensor | None, contiguous: bool = False) -> None:
+        named = [("hidden", hidden), ("topk_ids", ids), ("topk_weights", weights)]
+        if out is not None:
+            named.append(("out", out))
+        for name, t in named:
+            if not isinstance(t, Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} is on {t.device}: the CPU expert kernel takes CPU tensors")
+            if t.dim() != 2:
+                raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+            if contiguous and not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (the kernel keeps its pointer)")
+        if hidden.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"hidden must be float32 or bfloat16, got {hidden.dtype}")
+        if hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden has {hidden.shape[1]} columns; this layer's hidden size is {self.hidden_size}")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_ids must be int32 or int64, got {ids.dtype}")
+        if weights.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"topk_weights must be float32 or bfloat16, got {weights.dtype}")
+        if ids.shape[0] != hidden.shape[0] or tuple(weights.shape) != tuple(ids.shape) or ids.shape[1] < 1:
+            raise ValueError(f"topk_ids {tuple(ids.shape)} and topk_weights {tuple(weights.shape)} must both be "
+                             f"[{hidden.shape[0]}, k] with k >= 1 for hidden {tuple(hidden.shape)}")
+        if out is not None and (tuple(out.shape) != tuple(hidden.shape) or out.dtype != hidden.dtype):
+            raise ValueError(f"out must be {hidden.dtype} {tuple(hidden.shape)} like hidden, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+
+    def _call(self, hidden: Tensor, ids: Tensor, weights: Tensor, out: Tensor, num_tokens: Tensor | None) -> _Call:
+        return _Call(
+            self.data.data_ptr(), self.bytes_per_expert, self.num_experts, self.hidden_size, self.intermediate_size,
+            _FMT_CODE[self.fmt], hidden.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+            None if num_tokens is None else num_tokens.data_ptr(), hidden.shape[0], ids.shape[1],
+            _DTYPE_CODE[hidden.dtype], _DTYPE_CODE[ids.dtype], _DTYPE_CODE[weights.dtype], 0, 0)
+
+    def _run(self, call: _Call) -> None:
+        _lib().tandem_moe(ctypes.byref(call))
+        _raise_status(call, self.num_experts)
+
+
+def _raise_status(call: _Call, num_experts: int) -> None:
+    if call.status == 0:
+        return
+    if call.status == 1:
+        raise ValueError(f"topk_ids holds expert {call.bad_value}, outside 0..{num_experts - 1}")
+    if call.status == 2:
+        raise ValueError(f"num_tokens is {call.bad_value}, outside 0..{call.rows} (the buffers' rows)")
+    if call.status == 3:
+        raise MemoryError("the CPU expert kernel could not allocate its scratch buffers")
+    raise ValueError(f"the CPU expert kernel rejected its arguments (status {call.status})")
+
+
+class HostJob:
+    """A call bound to fixed (pinned) buffers, run from a CUDA host node: `fn_ptr` is the address
+    of the C function `void tandem_host_fn(void*)` (a cudaHostFn_t: no CUDA, no Python, safe while
+    the GIL is held) and `arg_ptr` the address of its argument struct, which holds the buffers'
+    pointers, the layer, and a pointer to `num_tokens` (int32 [1], read at run time, so one
+    captured graph serves any count up to the buffers' rows). The object keeps the struct and the
+    tensors alive. A host node cannot raise: a bad expert id or count leaves `out` untouched and
+    sets `status`; `run()` (synchronous, for tests) raises it."""
+
+    def __init__(self, call: _Call, keep: tuple[Tensor, ...]) -> None:
+        self._call, self._keep = call, keep
+        self.fn_ptr: int = ctypes.cast(_lib().tandem_host_fn, ctypes.c_void_p).value
+        self.arg_ptr: int = ctypes.addressof(call)
+
+    @property
+    def status(self) -> int:
+        """0 when the last run succeeded."""
+        return self._call.status
+
+    def run(self) -> None:
+        _lib().tandem_moe(ctypes.byref(self._call))
+        _raise_status(self._call, self._call.num_experts)
+
+
+def reference_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate: Tensor, up: Tensor,
+                  down: Tensor) -> Tensor:
+    """Plain torch in fp32 with the weights as given (pass `dequantized()` ones): [T, H] float32,
+    sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = ids[t, j]."""
+    x = hidden.float()
+    w = topk_weights.float()
+    out = torch.zeros(x.shape[0], down.shape[1])
+    for e in topk_ids.unique().tolist():
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = x[tok]  # [n, H]
+        y = (F.silu(h @ gate[e].float().T) * (h @ up[e].float().T)) @ down[e].float().T  # [n, H]
+        out.index_add_(0, tok, y * w[tok, slot, None])
+    return out

@@ -1,0 +1,146 @@
+// Tandem's CPU routed-expert kernel: shared declarations of the packed layout and the per-ISA
+// tile kernels. moe_common.cpp holds the thread pool, routing, the three phases and the C API;
+// moe_scalar.cpp writes and reads the layout; moe_scalar.cpp, moe_avx2.cpp and moe_avx512.cpp
+// hold one table of tile kernels each, compiled with their own -m flags and chosen at run time
+// (__builtin_cpu_supports).
+//
+// Packed layout. An expert is two runs of tiles; a tile is kRows (16) weight rows over the whole
+// input dimension K, padded with zeros to a multiple of kBlock (32):
+//   phase-1 tiles (ceil(I/8) of them, K = H): rows 0-7 = gate rows 8j..8j+7, rows 8-15 = up rows
+//     8j..8j+7, so the thread that computes a tile applies SwiGLU to it at once;
+//   phase-2 tiles (ceil(H/16), K = I): down rows 16j..16j+15.
+// Inside a tile the 16 rows run side by side, one input index after the other: a SIMD lane is a
+// row, one loaded vector holds one input index of 16 rows and is multiplied by a broadcast
+// activation of each token (so one load serves every token of the expert, and no horizontal
+// sums are needed). Per format, with nb = K / 32 blocks:
+//   fp32  [K][16] float                                            64 B per input index
+//   bf16  [K/2][16] uint32: low half input 2i, high half 2i+1      the pair vdpbf16ps reads
+//   int8  [16] float row scales (64 B), then [K][16] int8
+//   int4  per block: [16] bf16 scales (32 B), then [16 pairs][16 rows] bytes: low nibble input
+//         2i, high nibble 2i+1, two's complement -8..7
+//   mxfp4 per block: [16] E8M0 scales (16 B), then [16 pairs][16 rows] bytes: low nibble input
+//         2i, high nibble 2i+1 (the checkpoint's own byte, only transposed), E2M1 codes
+// The expert's byte size is rounded up to 64 so every expert starts on a cache line.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tandem {
+
+constexpr int kRows = 16;   // weight rows per tile (one 512-bit vector of fp32)
+constexpr int kBlock = 32;  // input elements per block: the int4 / mxfp4 scale group
+
+enum Fmt : int { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_MXFP4 = 4, FMT_COUNT = 5 };
+enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_COUNT = 4 };
+
+// Inline code in this header sits in an unnamed namespace: each file compiles its own copy with
+// its own -m flags, and the linker must never merge an AVX-512 copy into the portable code.
+namespace {
+
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Bytes of one tile of `nb` blocks.
+constexpr int64_t tile_bytes(int fmt, int64_t nb) {
+    return fmt == FMT_F32    ? nb * kBlock * kRows * 4
+           : fmt == FMT_BF16 ? nb * kBlock * kRows * 2
+           : fmt == FMT_INT8 ? 64 + nb * kBlock * kRows
+           : fmt == FMT_INT4 ? nb * (kRows * 2 + kBlock / 2 * kRows)
+                             : nb * (kRows + kBlock / 2 * kRows);
+}
+
+// Byte offsets inside an int4 / mxfp4 block: the scales, then the codes.
+constexpr int64_t block_scale_bytes(int fmt) { return fmt == FMT_INT4 ? kRows * 2 : kRows; }
+constexpr int64_t block_bytes(int fmt) { return block_scale_bytes(fmt) + kBlock / 2 * kRows; }
+
+// The geometry of one layer's packed expert.
+struct Geometry {
+    int fmt, hidden, inter;
+    int64_t nb_h, nb_i;          // blocks along H (gate/up input) and I (down input)
+    int64_t tiles1, tiles2;      // phase-1 tiles (8 intermediate indices each), phase-2 tiles
+    int64_t tile1, tile2;        // their byte sizes
+    int64_t down_offset, expert_bytes;
+
+    Geometry(int fmt_, int hidden_, int inter_)
+        : fmt(fmt_), hidden(hidden_), inter(inter_),
+          nb_h(round_up(hidden_, kBlock) / kBlock), nb_i(round_up(inter_, kBlock) / kBlock),
+          tiles1(round_up(inter_, kRows / 2) / (kRows / 2)), tiles2(round_up(hidden_, kRows) / kRows),
+          tile1(tile_bytes(fmt_, nb_h)), tile2(tile_bytes(fmt_, nb_i)),
+          down_offset(tiles1 * tile1), expert_bytes(round_up(tiles1 * tile1 + tiles2 * tile2, 64)) {}
+    int64_t hp() const { return nb_h * kBlock; }  // padded H
+    int64_t ip() const { return nb_i * kBlock; }  // padded I
+};
+
+}  // namespace
+
+// A tile kernel: out[t * 16 + r] = sum_k W[r][k] * X[k][t] for t < ntok, r < 16 (row and block
+// scales applied). X is column-major over tokens with leading dimension `ld`: fp32 x[k * ld + t]
+// for the fp32 kernels; for the bf16 kernels uint32 x[i * ld + t] holding the bf16 pair
+// (input 2i low, 2i+1 high).
+using TileFn = void (*)(const uint8_t* tile, int64_t nb, const void* x, int64_t ld, int ntok, float* out);
+
+struct Kernels {
+    TileFn f32[FMT_COUNT];    // activations in fp32 (every format)
+    TileFn bf16[FMT_COUNT];   // activations as bf16 pairs (vdpbf16ps); null where not offered
+    // Streams [buf, buf + n) (n a multiple of 256, buf 64-aligned) and returns a value that
+    // depends on every byte, so the reads cannot be dropped.
+    uint64_t (*read)(const uint8_t* buf, int64_t n);
+};
+
+const Kernels* kernels_scalar();
+const Kernels* kernels_avx2();        // only on CPUs with avx2+fma+f16c
+const Kernels* kernels_avx512();      // only with avx512f/bw/vl/dq
+const Kernels* kernels_avx512bf16();  // only with avx512bf16 as well
+
+// Decodes block b of a tile into q[r][i] (the element as stored: value, int8 / int4 / E2M1 code
+// value) and s[r] (the block's scale; 1 for fp32 / bf16, the row scale for int8) so that the
+// weight is exactly q * s. The scalar kernel and the unpacker share it.
+void decode_block(int fmt, const uint8_t* tile, int64_t b, float q[kRows][kBlock], float s[kRows]);
+
+namespace {
+
+// Runs a token-blocked kernel K<TB>::run(tile, nb, x, ld, out) over ntok tokens: blocks of TBMAX
+// tokens (the accumulators of a block live in registers), then one block of the remainder.
+template <template <int> class K, int N>
+struct Remainder {
+    template <class X>
+    static void run(int ntok, const uint8_t* tile, int64_t nb, const X* x, int64_t ld, float* out) {
+        if (ntok == N) K<N>::run(tile, nb, x, ld, out);
+        else Remainder<K, N - 1>::run(ntok, tile, nb, x, ld, out);
+    }
+};
+template <template <int> class K>
+struct Remainder<K, 0> {
+    template <class X>
+    static void run(int, const uint8_t*, int64_t, const X*, int64_t, float*) {}
+};
+
+template <template <int> class K, int TBMAX, class X>
+void drive(const uint8_t* tile, int64_t nb, const void* xv, int64_t ld, int ntok, float* out) {
+    const X* x = static_cast<const X*>(xv);
+    for (; ntok >= TBMAX; ntok -= TBMAX, x += TBMAX, out += TBMAX * kRows) K<TBMAX>::run(tile, nb, x, ld, out);
+    Remainder<K, TBMAX - 1>::run(ntok, tile, nb, x, ld, out);
+}
+
+}  // namespace
+
+// One source matrix of an expert in its quantised row-major form (tandem_pack_expert's list).
+struct Source {
+    const uint8_t* w;
+    const uint8_t* aux;  // int8 row scales, int4 / mxfp4 block scales
+    int64_t rows, cols;  // cols: int4 padded to a multiple of 32
+};
+struct ExpertSources {
+    Source gate, up, down;
+};
+
+// Packs tiles [t0, t1) of an expert (phase-1 tiles first, then phase-2) into `expert`.
+void pack_tiles(int fmt, int hidden, int inter, const ExpertSources& src, int64_t t0, int64_t t1, uint8_t* expert);
+// Decodes a packed expert: fp32 gate / up [I][H], down [H][I].
+void unpack_expert(int fmt, int hidden, int inter, const uint8_t* expert, float* gate, float* up, float* down);
+
+// E2M1 code -> value, and the two's complement int4 nibble -> value.
+extern const float kFp4Values[16];
+extern const float kInt4Values[16];
+
+}  // namespace tandem

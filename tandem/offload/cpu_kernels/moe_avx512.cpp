@@ -1,0 +1,278 @@
+// AVX-512 tile kernels (compiled with -mavx512f/bw/vl/dq; called only where the CPU has them).
+// A tile's 16 rows are one 16-lane vector, multiplied by each token's broadcast activation.
+//
+// fp32 activations (every format; exact): weights become fp32 in registers. bf16: a shift and a
+// mask of the (2i, 2i+1) pair; int8: vpmovsxbd + vcvtdq2ps; int4 and mxfp4: vpmovzxbd of one
+// byte per row, then vpermps over a 16-entry fp32 table (it reads the low 4 bits, so the low
+// nibble directly and the high one after a shift). The int4 / mxfp4 block scale multiplies the
+// block's partial sum once per token, not each weight.
+//
+// bf16 activations (ISA avx512bf16, for bf16 / int4 / mxfp4 weights when the hidden state is
+// bf16): vdpbf16ps multiplies a weight pair by the token's activation pair in one instruction.
+// The nibbles become a bf16 pair through vpermw over a 16-entry bf16 table (every E2M1 and int4
+// value is exact in bf16). Products are exact, sums fp32; the SwiGLU intermediate is rounded to
+// bf16 for the down projection (the bf16 GPU model rounds it too). These functions carry
+// target("avx512bf16") so that nothing else in this file may use the instruction.
+//
+// No AMX and no VNNI: decode is bound by RAM bandwidth, and at 1-8 tokens per expert converting
+// the weights in registers costs less than the loads; VNNI would need int8 activations (lossy).
+#include <immintrin.h>
+
+#include "moe.h"
+
+namespace tandem {
+namespace {
+
+// Prefetch distance in bytes ahead of the weight stream (the hardware prefetcher alone lags
+// when 16 threads each stream a different expert).
+constexpr int kPrefetch = 1024;
+inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
+
+inline void zero(__m512* a, int n) {
+    for (int i = 0; i < n; ++i) a[i] = _mm512_setzero_ps();
+}
+// out[t] = sum over the U accumulator chains of acc[u][t].
+template <int U, int TB>
+inline void store_sum(float* out, const __m512 (&acc)[U][TB]) {
+    for (int t = 0; t < TB; ++t) {
+        __m512 s = acc[0][t];
+        for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[u][t]);
+        _mm512_storeu_ps(out + t * kRows, s);
+    }
+}
+// Independent accumulator chains per token, so that a few tokens still keep enough FMAs in
+// flight (an FMA waits ~4 cycles for its accumulator; one chain would cap a core well below
+// its share of the RAM bandwidth).
+constexpr int chains(int tb, int want) { return tb >= want ? 1 : want / tb; }
+
+template <int TB>
+struct F32 {
+    static constexpr int U = chains(TB, 4);
+    static void run(const uint8_t* tile, int64_t nb, const float* x, int64_t ld, float* out) {
+        __m512 acc[U][TB];
+        zero(&acc[0][0], U * TB);
+        for (int64_t k = 0; k < nb * kBlock; k += U, tile += 64 * U, x += U * ld) {
+            prefetch(tile);
+#pragma GCC unroll 4
+            for (int u = 0; u < U; ++u) {
+                __m512 w = _mm512_loadu_ps(reinterpret_cast<const float*>(tile + 64 * u));
+#pragma GCC unroll 16
+                for (int t = 0; t < TB; ++t) acc[u][t] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[u * ld + t]), acc[u][t]);
+            }
+        }
+        store_sum(out, acc);
+    }
+};
+
+// The even and the odd input of a pair go to separate chains.
+template <int TB>
+struct Bf16 {
+    static constexpr int U = chains(TB, 2);
+    static void run(const uint8_t* tile, int64_t nb, const float* x, int64_t ld, float* out) {
+        const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+        __m512 acc[2 * U][TB];
+        zero(&acc[0][0], 2 * U * TB);
+        for (int64_t i = 0; i < nb * kBlock / 2; i += U, tile += 64 * U, x += 2 * U * ld) {
+            prefetch(tile);
+#pragma GCC unroll 4
+            for (int u = 0; u < U; ++u) {
+                __m512i v = _mm512_loadu_si512(tile + 64 * u);
+                __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+                const float* xu = x + 2 * u * ld;
+#pragma GCC unroll 16
+                for (int t = 0; t < TB; ++t) {
+                    acc[2 * u][t] = _mm512_fmadd_ps(even, _mm512_set1_ps(xu[t]), acc[2 * u][t]);
+                    acc[2 * u + 1][t] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xu[ld + t]), acc[2 * u + 1][t]);
+                }
+            }
+        }
+        store_sum(out, acc);
+    }
+};
+
+template <int TB>
+struct Int8 {
+    static constexpr int U = chains(TB, 4);
+    static void run(const uint8_t* tile, int64_t nb, const float* x, int64_t ld, float* out) {
+        const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(tile));
+        const uint8_t* codes = tile + 64;
+        __m512 acc[U][TB];
+        zero(&acc[0][0], U * TB);
+        for (int64_t k = 0; k < nb * kBlock; k += U, codes += kRows * U, x += U * ld) {
+            if (k % 4 == 0) prefetch(codes);
+#pragma GCC unroll 4
+            for (int u = 0; u < U; ++u) {
+                __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kRows * u));
+                __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+#pragma GCC unroll 16
+                for (int t = 0; t < TB; ++t) acc[u][t] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[u * ld + t]), acc[u][t]);
+            }
+        }
+        for (int u = 0; u < U; ++u)
+            for (int t = 0; t < TB; ++t) acc[u][t] = _mm512_mul_ps(acc[u][t], scale);
+        store_sum(out, acc);
+    }
+};
+
+// One byte per row of an input pair -> 16 dwords.
+inline __m512i bytes16(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+alignas(64) constexpr float kFp4Table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+alignas(64) constexpr float kInt4Table[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+// The same values as bf16, twice (vpermw reads 5 index bits; the indices here are < 16).
+alignas(64) constexpr uint16_t kFp4Bf16[32] = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,  //  0 .. 6
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,  // -0 .. -6
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+alignas(64) constexpr uint16_t kInt4Bf16[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  //  0 .. 7
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
+
+template <int Fmt>
+inline __m512 block_scale(const uint8_t* blk) {
+    if (Fmt == FMT_INT4) {  // bf16 -> fp32
+        __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    __m512i e = _mm512_slli_epi32(bytes16(blk), 23);  // E8M0: 2^(s-127); s = 0 -> 2^-127
+    return _mm512_max_ps(_mm512_castsi512_ps(e), _mm512_set1_ps(0x1p-127f));
+}
+
+// acc[t] += scale * (sum of the block's partial chains)
+template <int C, int TB>
+inline void add_block(__m512 (&acc)[TB], const __m512 (&part)[C][TB], __m512 scale) {
+    for (int t = 0; t < TB; ++t) {
+        __m512 s = part[0][t];
+        for (int c = 1; c < C; ++c) s = _mm512_add_ps(s, part[c][t]);
+        acc[t] = _mm512_fmadd_ps(s, scale, acc[t]);
+    }
+}
+
+template <int Fmt>
+struct Nibbles {
+    template <int TB>
+    struct K {
+        static constexpr int U = chains(TB, 2);
+        static void run(const uint8_t* tile, int64_t nb, const float* x, int64_t ld, float* out) {
+            const __m512 table = _mm512_load_ps(Fmt == FMT_INT4 ? kInt4Table : kFp4Table);
+            __m512 acc[TB];
+            zero(acc, TB);
+            for (int64_t b = 0; b < nb; ++b, tile += block_bytes(Fmt)) {
+                const uint8_t* codes = tile + block_scale_bytes(Fmt);
+                __m512 part[2 * U][TB];  // the block's partial sums: even / odd inputs, U chains
+                zero(&part[0][0], 2 * U * TB);
+                for (int i = 0; i < kBlock / 2; i += U, codes += kRows * U, x += 2 * U * ld) {
+                    if (i % 4 == 0) prefetch(codes);
+#pragma GCC unroll 4
+                    for (int u = 0; u < U; ++u) {
+                        __m512i d = bytes16(codes + kRows * u);
+                        __m512 even = _mm512_permutexvar_ps(d, table);
+                        __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+                        const float* xu = x + 2 * u * ld;
+#pragma GCC unroll 16
+                        for (int t = 0; t < TB; ++t) {
+                            part[2 * u][t] = _mm512_fmadd_ps(even, _mm512_set1_ps(xu[t]), part[2 * u][t]);
+                            part[2 * u + 1][t] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xu[ld + t]), part[2 * u + 1][t]);
+                        }
+                    }
+                }
+                add_block(acc, part, block_scale<Fmt>(tile));
+            }
+            for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
+        }
+    };
+};
+
+// ---- bf16 activations: x is uint32 pairs, x[i * ld + t] = (bf16 input 2i, bf16 input 2i+1).
+
+#define TANDEM_BF16 __attribute__((target("avx512bf16")))
+
+template <int TB>
+struct Bf16Dot {
+    static constexpr int U = chains(TB, 4);
+    TANDEM_BF16 static void run(const uint8_t* tile, int64_t nb, const uint32_t* x, int64_t ld, float* out) {
+        __m512 acc[U][TB];
+        zero(&acc[0][0], U * TB);
+        for (int64_t i = 0; i < nb * kBlock / 2; i += U, tile += 64 * U, x += U * ld) {
+            prefetch(tile);
+#pragma GCC unroll 4
+            for (int u = 0; u < U; ++u) {
+                __m512bh w = (__m512bh)_mm512_loadu_si512(tile + 64 * u);
+#pragma GCC unroll 16
+                for (int t = 0; t < TB; ++t)
+                    acc[u][t] = _mm512_dpbf16_ps(acc[u][t], w, (__m512bh)_mm512_set1_epi32(int(x[u * ld + t])));
+            }
+        }
+        store_sum(out, acc);
+    }
+};
+
+template <int Fmt>
+struct NibblesDot {
+    template <int TB>
+    struct K {
+        static constexpr int U = chains(TB, 4);
+        TANDEM_BF16 static void run(const uint8_t* tile, int64_t nb, const uint32_t* x, int64_t ld, float* out) {
+            const __m512i table = _mm512_load_si512(Fmt == FMT_INT4 ? kInt4Bf16 : kFp4Bf16);
+            const __m512i nibble = _mm512_set1_epi32(0x000F000F);
+            __m512 acc[TB];
+            zero(acc, TB);
+            for (int64_t b = 0; b < nb; ++b, tile += block_bytes(Fmt)) {
+                const uint8_t* codes = tile + block_scale_bytes(Fmt);
+                __m512 part[U][TB];
+                zero(&part[0][0], U * TB);
+                for (int i = 0; i < kBlock / 2; i += U, codes += kRows * U, x += U * ld) {
+                    if (i % 4 == 0) prefetch(codes);
+#pragma GCC unroll 4
+                    for (int u = 0; u < U; ++u) {
+                        __m512i d = bytes16(codes + kRows * u);
+                        // word 0 of each dword = low nibble, word 1 = high nibble: (d | d << 12) & 0x000F000F
+                        __m512i idx = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), nibble, 0xA8);
+                        __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+#pragma GCC unroll 16
+                        for (int t = 0; t < TB; ++t)
+                            part[u][t] = _mm512_dpbf16_ps(part[u][t], w, (__m512bh)_mm512_set1_epi32(int(x[u * ld + t])));
+                    }
+                }
+                add_block(acc, part, block_scale<Fmt>(tile));
+            }
+            for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
+        }
+    };
+};
+
+uint64_t read_avx512(const uint8_t* buf, int64_t n) {
+    __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int64_t i = 0; i < n; i += 256)
+        for (int j = 0; j < 4; ++j) a[j] = _mm512_add_epi64(a[j], _mm512_load_si512(buf + i + 64 * j));
+    __m512i s = _mm512_xor_si512(_mm512_xor_si512(a[0], a[1]), _mm512_xor_si512(a[2], a[3]));
+    return uint64_t(_mm512_reduce_add_epi64(s));
+}
+
+// Token blocks: 12 accumulators for the one-vector formats, 8 (plus 8 partial sums) for the
+// block-scaled ones.
+#define TANDEM_F32_TABLE                                                                      \
+    {drive<F32, 12, float>, drive<Bf16, 12, float>, drive<Int8, 12, float>,                   \
+     drive<Nibbles<FMT_INT4>::K, 8, float>, drive<Nibbles<FMT_MXFP4>::K, 8, float>}
+
+const Kernels kAvx512 = {TANDEM_F32_TABLE, {nullptr, nullptr, nullptr, nullptr, nullptr}, read_avx512};
+const Kernels kAvx512Bf16 = {
+    TANDEM_F32_TABLE,
+    {nullptr, drive<Bf16Dot, 12, uint32_t>, nullptr, drive<NibblesDot<FMT_INT4>::K, 8, uint32_t>,
+     drive<NibblesDot<FMT_MXFP4>::K, 8, uint32_t>},
+    read_avx512,
+};
+
+}  // namespace
+
+const Kernels* kernels_avx512() { return &kAvx512; }
+const Kernels* kernels_avx512bf16() { return &kAvx512Bf16; }
+
+}  // namespace tandem

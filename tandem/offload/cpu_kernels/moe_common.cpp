@@ -1,0 +1,655 @@
+// Tandem's CPU routed-expert kernel: thread pool, ISA dispatch, packing, the MoE call and the
+// read-bandwidth probe, behind a small C API (tandem/offload/cpu_experts.py binds it with
+// ctypes). Compiled without SIMD flags: the SIMD lives in the per-ISA tile kernels (moe.h).
+//
+// One call, for a batch of T tokens with top-k routing (T > kChunk is done kChunk at a time):
+//   routing (caller thread): (token, slot) pairs grouped by expert, experts ascending;
+//   phase 0: each thread gathers its pairs' activations, column-major per expert ([H][n_e]);
+//   phase 1: the active experts' gate/up tiles, concatenated, split over the threads by cost
+//            (a tile costs its bytes plus a share per token); a tile is 8 gate and the 8 matching
+//            up rows, so SwiGLU is applied at once -> intermediate [I][n_e];
+//   phase 2: the output rows split over the threads; each thread runs every active expert's
+//            down tiles of its rows and accumulates weight * result, experts ascending.
+// Every weight is loaded once per call and applied to all its expert's tokens; each output
+// element is summed by one thread in a fixed order, so results do not depend on the thread count.
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <vector>
+
+#include "moe.h"
+
+#define TANDEM_API extern "C" __attribute__((visibility("default")))
+
+namespace tandem {
+namespace {
+
+constexpr int kChunk = 512;            // tokens per pass (bounds the gathered activations)
+constexpr int kTokensPerCall = 32;     // tokens handed to one tile-kernel call
+constexpr int64_t kTileCostTokens = 4;  // a tile's streaming cost, in tokens of compute
+constexpr int64_t kSpinNs = 1000000;   // workers spin this long for the next job, then sleep
+
+int64_t now_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+// Spins until pred() holds; after 100 us it yields between checks (an oversubscribed machine).
+template <class Pred>
+void spin_until(Pred pred) {
+    int64_t start = 0;
+    for (int i = 1; !pred(); ++i) {
+        cpu_relax();
+        if ((i & 1023) == 0) {
+            int64_t t = now_ns();
+            if (start == 0) start = t;
+            else if (t - start > 100000) sched_yield();
+        }
+    }
+}
+
+// ---- thread pool ------------------------------------------------------------------------------
+
+using Job = void (*)(void* ctx, int tid, int nthreads);
+
+// CPUs this process may run on, one per physical core first, then their SMT siblings.
+std::vector<int> cpu_order() {
+    cpu_set_t set;
+    std::vector<int> first, second;
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return first;
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+        if (!CPU_ISSET(c, &set)) continue;
+        char path[96];
+        std::snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu%d/topology/thread_siblings_list", c);
+        int lowest = c;
+        if (FILE* f = std::fopen(path, "r")) {
+            if (std::fscanf(f, "%d", &lowest) != 1) lowest = c;
+            std::fclose(f);
+        }
+        (lowest == c ? first : second).push_back(c);
+    }
+    first.insert(first.end(), second.begin(), second.end());
+    return first;
+}
+
+// N threads: the caller of run() is thread 0 (not pinned: it may be Python's or CUDA's thread),
+// workers 1..N-1 are pinned to distinct allowed CPUs, spin kSpinNs for the next job, then sleep
+// on a futex.
+class Pool {
+public:
+    int size() const { return n_; }
+
+    void resize(int n) {
+        if (n < 1) n = 1;
+        stop_workers();
+        n_ = n;
+        std::vector<int> cpus = cpu_order();
+        for (int tid = 1; tid < n; ++tid) {
+            Worker* w = new Worker{this, tid, cpus.empty() ? -1 : cpus[tid % cpus.size()], 0};
+            if (pthread_create(&w->thread, nullptr, &Pool::thread_main, w) != 0) {
+                delete w;
+                n_ = tid;  // fewer threads than asked: the machine refused more
+                break;
+            }
+            workers_.push_back(w);
+        }
+    }
+
+    void run(Job job, void* ctx) {
+        if (n_ == 1) return job(ctx, 0, 1);
+        job_ = job, ctx_ = ctx;
+        remaining_.store(n_ - 1, std::memory_order_relaxed);
+        gen_.fetch_add(1, std::memory_order_seq_cst);
+        if (sleepers_.load(std::memory_order_seq_cst) > 0) wake();
+        job(ctx, 0, n_);
+        spin_until([&] { return remaining_.load(std::memory_order_acquire) == 0; });
+    }
+
+    // Inside a job: returns when all N threads reached it.
+    void barrier() {
+        uint32_t g = bar_gen_.load(std::memory_order_acquire);
+        if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+            bar_count_.store(0, std::memory_order_relaxed);
+            bar_gen_.fetch_add(1, std::memory_order_release);
+        } else {
+            spin_until([&] { return bar_gen_.load(std::memory_order_acquire) != g; });
+        }
+    }
+
+    // In a forked child the workers do not exist: forget them.
+    void after_fork() {
+        for (Worker* w : workers_) delete w;
+        workers_.clear();
+        n_ = 1;
+        stop_.store(false);
+        sleepers_.store(0);
+    }
+
+private:
+    struct Worker {
+        Pool* pool;
+        int tid, cpu;
+        pthread_t thread;
+    };
+
+    static void* thread_main(void* arg) {
+        Worker* w = static_cast<Worker*>(arg);
+        if (w->cpu >= 0) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(w->cpu, &set);
+            sched_setaffinity(0, sizeof(set), &set);  // best effort
+        }
+        w->pool->loop(w->tid);
+        return nullptr;
+    }
+
+    void loop(int tid) {
+        uint32_t seen = start_gen_;
+        for (;;) {
+            seen = wait_for_job(seen);
+            if (stop_.load(std::memory_order_acquire)) return;
+            job_(ctx_, tid, n_);
+            remaining_.fetch_sub(1, std::memory_order_release);
+        }
+    }
+
+    uint32_t wait_for_job(uint32_t seen) {
+        int64_t deadline = now_ns() + kSpinNs;
+        for (int i = 1;; ++i) {
+            uint32_t g = gen_.load(std::memory_order_acquire);
+            if (g != seen) return g;
+            cpu_relax();
+            if ((i & 255) == 0 && now_ns() > deadline) break;
+        }
+        for (;;) {  // run() bumps gen_ then reads sleepers_; we bump sleepers_ then read gen_
+            sleepers_.fetch_add(1, std::memory_order_seq_cst);
+            if (gen_.load(std::memory_order_seq_cst) == seen)
+                syscall(SYS_futex, &gen_, FUTEX_WAIT_PRIVATE, seen, nullptr, nullptr, 0);
+            sleepers_.fetch_sub(1, std::memory_order_relaxed);
+            uint32_t g = gen_.load(std::memory_order_acquire);
+            if (g != seen) return g;
+        }
+    }
+
+    void wake() { syscall(SYS_futex, &gen_, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0); }
+
+    void stop_workers() {
+        if (workers_.empty()) return;
+        stop_.store(true, std::memory_order_release);
+        gen_.fetch_add(1, std::memory_order_seq_cst);
+        wake();
+        for (Worker* w : workers_) pthread_join(w->thread, nullptr), delete w;
+        workers_.clear();
+        stop_.store(false);
+        start_gen_ = gen_.load();
+    }
+
+    int n_ = 1;
+    std::vector<Worker*> workers_;
+    Job job_ = nullptr;
+    void* ctx_ = nullptr;
+    uint32_t start_gen_ = 0;
+    std::atomic<bool> stop_{false};
+    alignas(64) std::atomic<uint32_t> gen_{0};
+    alignas(64) std::atomic<int> remaining_{0};
+    alignas(64) std::atomic<int> sleepers_{0};
+    alignas(64) std::atomic<uint32_t> bar_gen_{0};
+    alignas(64) std::atomic<int> bar_count_{0};
+};
+
+// ---- global state: one call at a time (the pool and the scratch are shared) ------------------
+
+struct Buffer {  // grow-only, 64-byte aligned
+    void* ptr = nullptr;
+    size_t size = 0;
+    void* get(size_t bytes) {
+        if (bytes <= size) return ptr;
+        void* p = nullptr;
+        if (posix_memalign(&p, 64, bytes) != 0) return nullptr;
+        std::free(ptr);
+        ptr = p, size = bytes;
+        return p;
+    }
+};
+
+struct State {
+    std::mutex mutex;
+    Pool pool;
+    int isa = ISA_SCALAR;
+    const Kernels* kernels = kernels_scalar();
+    Buffer x, act, acc, routing;
+};
+
+State& state() {
+    static State* s = [] {
+        State* st = new State;  // never destroyed: workers may outlive static destructors
+        pthread_atfork(nullptr, nullptr, [] {
+            new (&state().mutex) std::mutex;
+            state().pool.after_fork();
+        });
+        return st;
+    }();
+    return *s;
+}
+
+bool isa_supported(int isa) {
+#if defined(__x86_64__) && !defined(TANDEM_SCALAR_ONLY)
+    __builtin_cpu_init();
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    switch (isa) {
+    case ISA_SCALAR: return true;
+    case ISA_AVX2: return avx2;
+    case ISA_AVX512: return avx512;
+    case ISA_AVX512BF16: return avx512 && __builtin_cpu_supports("avx512bf16");
+    }
+    return false;
+#else
+    return isa == ISA_SCALAR;
+#endif
+}
+
+const Kernels* kernels_for(int isa) {
+#if defined(__x86_64__) && !defined(TANDEM_SCALAR_ONLY)
+    switch (isa) {
+    case ISA_AVX2: return kernels_avx2();
+    case ISA_AVX512: return kernels_avx512();
+    case ISA_AVX512BF16: return kernels_avx512bf16();
+    }
+#endif
+    return kernels_scalar();
+}
+
+// ---- numbers ----------------------------------------------------------------------------------
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline uint16_t float_to_bf16(float f) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
+inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
+}  // namespace
+}  // namespace tandem
+
+using namespace tandem;
+
+// ---- the call -----------------------------------------------------------------------------------
+
+enum Dtype : int32_t { DT_F32 = 0, DT_BF16 = 1, DT_I32 = 2, DT_I64 = 3 };
+enum Status : int32_t { ST_OK = 0, ST_BAD_EXPERT = 1, ST_BAD_COUNT = 2, ST_NO_MEMORY = 3, ST_BAD_ARGS = 4 };
+
+// What Python's HostJob / forward_into hand over (ctypes mirrors it field by field).
+struct tandem_call {
+    const uint8_t* data;  // [E, expert_bytes] packed experts
+    int64_t expert_bytes;
+    int32_t num_experts, hidden, inter, fmt;
+    const void* x;        // [rows, H] f32 / bf16
+    const void* ids;      // [rows, k] i32 / i64
+    const void* weights;  // [rows, k] f32 / bf16
+    void* out;            // [rows, H], x's dtype
+    const int32_t* num_tokens;  // rows to compute, read at run time; null: all rows
+    int32_t rows, top_k, x_dtype, ids_dtype, w_dtype;
+    int32_t status;       // out: Status
+    int64_t bad_value;    // out: the offending expert id / count
+};
+
+namespace tandem {
+namespace {
+
+struct Plan {
+    const tandem_call* c;
+    Geometry g;
+    TileFn fn;
+    bool bf16_acts;            // activations as bf16 pairs (vdpbf16ps)
+    int64_t t0, T, k;          // this chunk: tokens [t0, t0 + T)
+    int64_t x_rows, a_rows;    // rows of the gathered activations / intermediate (4-byte elements)
+    int A;                     // active experts
+    const int* expert;         // [A] ids, ascending
+    const int* start;          // [A + 1] their first pair
+    const int* pair_expert;    // [P] index into expert[]
+    const int* pair_tok;       // [P] token (chunk-relative)
+    const float* pair_w;       // [P]
+    const int64_t* split;      // [N + 1] phase-1 tile boundaries per thread
+    uint32_t* x;               // [P * x_rows] gathered activations, per expert [x_rows][n]
+    uint32_t* act;             // [P * a_rows] intermediate, per expert [a_rows][n]
+    float* acc;                // [T, hp] output accumulator
+};
+
+float weight_at(const tandem_call* c, int64_t i) {
+    return c->w_dtype == DT_F32 ? static_cast<const float*>(c->weights)[i]
+                                : bf16_to_float(static_cast<const uint16_t*>(c->weights)[i]);
+}
+int64_t id_at(const tandem_call* c, int64_t i) {
+    return c->ids_dtype == DT_I32 ? static_cast<const int32_t*>(c->ids)[i] : static_cast<const int64_t*>(c->ids)[i];
+}
+
+// Activation h of pair q (chunk-relative token), as the kernels read it.
+inline uint32_t activation(const Plan& p, int64_t q, int64_t h) {
+    const int64_t H = p.g.hidden, row = (p.t0 + p.pair_tok[q]) * H;
+    if (p.bf16_acts) {  // bf16 pair (2h, 2h+1), straight from the bf16 hidden state
+        const uint16_t* src = static_cast<const uint16_t*>(p.c->x) + row;
+        uint32_t lo = 2 * h < H ? src[2 * h] : 0, hi = 2 * h + 1 < H ? src[2 * h + 1] : 0;
+        return lo | hi << 16;
+    }
+    float v = h >= H ? 0.0f
+              : p.c->x_dtype == DT_F32 ? static_cast<const float*>(p.c->x)[row + h]
+                                       : bf16_to_float(static_cast<const uint16_t*>(p.c->x)[row + h]);
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return u;
+}
+
+// Gathers this thread's pairs into the per-expert column-major activations, up to 16 columns
+// of one expert at a time (so each written cache line is filled at once).
+void phase0_gather(const Plan& p, int tid, int nthreads) {
+    const int64_t P = p.T * p.k, q1 = P * (tid + 1) / nthreads;
+    for (int64_t q0 = P * tid / nthreads; q0 < q1;) {
+        const int a = p.pair_expert[q0];
+        const int64_t n = p.start[a + 1] - p.start[a], j0 = q0 - p.start[a];
+        const int64_t cols = std::min<int64_t>({16, q1 - q0, n - j0});
+        uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows + j0;
+        for (int64_t h = 0; h < p.x_rows; ++h)
+            for (int64_t j = 0; j < cols; ++j) x[h * n + j] = activation(p, q0 + j, h);
+        // Intermediate rows past the last gate/up tile are never written: zero them (the down
+        // weights there are zero, but 0 * garbage may be NaN). 0u is also 0.0f.
+        uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows + j0;
+        for (int64_t i = p.g.tiles1 * kRows / 2 / (p.bf16_acts ? 2 : 1); i < p.a_rows; ++i)
+            for (int64_t j = 0; j < cols; ++j) act[i * n + j] = 0;
+        q0 += cols;
+    }
+}
+
+void phase1_gate_up(const Plan& p, int tid) {
+    float out[kTokensPerCall * kRows];
+    int a = 0;
+    for (int64_t tile = p.split[tid]; tile < p.split[tid + 1]; ++tile) {
+        while (tile >= (a + 1) * p.g.tiles1) ++a;
+        const int64_t jt = tile - a * p.g.tiles1, n = p.start[a + 1] - p.start[a];
+        const uint8_t* w = p.c->data + p.expert[a] * p.g.expert_bytes + jt * p.g.tile1;
+        const uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows;
+        uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
+        for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
+            const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
+            p.fn(w, p.g.nb_h, x + c0, n, cnt, out);
+            for (int t = 0; t < cnt; ++t)
+                for (int i = 0; i < kRows / 2; ++i) {
+                    float v = silu_mul(out[t * kRows + i], out[t * kRows + kRows / 2 + i]);
+                    int64_t row = jt * kRows / 2 + i;  // intermediate index
+                    if (p.bf16_acts) {  // the bf16 half of pair row / 2
+                        const uint16_t h = float_to_bf16(v);
+                        std::memcpy(reinterpret_cast<char*>(act + (row / 2) * n + c0 + t) + 2 * (row % 2), &h, 2);
+                    } else
+                        reinterpret_cast<float*>(act)[row * n + c0 + t] = v;
+                }
+        }
+    }
+}
+
+void phase2_down(const Plan& p, int tid, int nthreads) {
+    float out[kTokensPerCall * kRows];
+    const int64_t hp = p.g.hp(), h0 = p.g.tiles2 * tid / nthreads, h1 = p.g.tiles2 * (tid + 1) / nthreads;
+    for (int64_t t = 0; t < p.T; ++t) std::memset(p.acc + t * hp + h0 * kRows, 0, (h1 - h0) * kRows * 4);
+    for (int a = 0; a < p.A; ++a) {
+        const int64_t n = p.start[a + 1] - p.start[a];
+        const uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
+        const uint8_t* base = p.c->data + p.expert[a] * p.g.expert_bytes + p.g.down_offset;
+        for (int64_t ht = h0; ht < h1; ++ht)
+            for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
+                const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
+                p.fn(base + ht * p.g.tile2, p.g.nb_i, act + c0, n, cnt, out);
+                for (int t = 0; t < cnt; ++t) {
+                    const int64_t q = p.start[a] + c0 + t;
+                    float* dst = p.acc + p.pair_tok[q] * hp + ht * kRows;
+                    const float w = p.pair_w[q];
+                    for (int r = 0; r < kRows; ++r) dst[r] += w * out[t * kRows + r];
+                }
+            }
+    }
+    const int64_t H = p.g.hidden, end = h1 * kRows < H ? h1 * kRows : H;
+    for (int64_t t = 0; t < p.T; ++t) {
+        const float* src = p.acc + t * hp;
+        const int64_t row = (p.t0 + t) * H;
+        for (int64_t h = h0 * kRows; h < end; ++h) {
+            if (p.c->x_dtype == DT_F32) static_cast<float*>(p.c->out)[row + h] = src[h];
+            else static_cast<uint16_t*>(p.c->out)[row + h] = float_to_bf16(src[h]);
+        }
+    }
+}
+
+void moe_job(void* ctx, int tid, int nthreads) {
+    const Plan& p = *static_cast<const Plan*>(ctx);
+    phase0_gather(p, tid, nthreads);
+    state().pool.barrier();
+    phase1_gate_up(p, tid);
+    state().pool.barrier();
+    phase2_down(p, tid, nthreads);
+}
+
+// Groups the chunk's pairs by expert and splits the phase-1 tiles over the threads by cost.
+// Returns false when the scratch cannot be allocated.
+bool route(Plan& p, int nthreads) {
+    const tandem_call* c = p.c;
+    const int E = c->num_experts;
+    const int64_t P = p.T * p.k;
+    size_t ints = size_t(E) * 4 + 1 + 2 * P, bytes = ints * 4 + P * 4 + (nthreads + 1) * 8 + 64;
+    char* mem = static_cast<char*>(state().routing.get(bytes));
+    if (!mem) return false;
+    int* count = reinterpret_cast<int*>(mem);  // [E], then the position of each expert
+    int* expert = count + E;                   // [A]
+    int* start = expert + E;                   // [A + 1]
+    int* pos = start + E + 1;                  // [A] next free pair of each active expert
+    int* pair_expert = pos + E;                // [P]
+    int* pair_tok = pair_expert + P;           // [P]
+    float* pair_w = reinterpret_cast<float*>(pair_tok + P);
+    int64_t* split = reinterpret_cast<int64_t*>(mem + round_up(int64_t(ints * 4 + P * 4), 8));
+    std::memset(count, 0, E * 4);
+    const int64_t base = p.t0 * p.k;
+    for (int64_t i = 0; i < P; ++i) ++count[id_at(c, base + i)];
+    int A = 0;
+    start[0] = 0;
+    for (int e = 0; e < E; ++e)
+        if (count[e] > 0) expert[A] = e, start[A + 1] = start[A] + count[e], count[e] = A++;
+    std::memcpy(pos, start, A * 4);
+    for (int64_t i = 0; i < P; ++i) {
+        const int a = count[id_at(c, base + i)], q = pos[a]++;
+        pair_expert[q] = a, pair_tok[q] = int(i / p.k), pair_w[q] = weight_at(c, base + i);
+    }
+    // Phase-1 split: tile of expert a costs kTileCostTokens + n_a; thread i starts at cost W*i/N.
+    int64_t total = 0;
+    for (int a = 0; a < A; ++a) total += p.g.tiles1 * (kTileCostTokens + start[a + 1] - start[a]);
+    int64_t cum = 0;
+    int a = 0;
+    for (int i = 0; i <= nthreads; ++i) {
+        const int64_t target = total * i / nthreads;
+        while (a < A && cum + p.g.tiles1 * (kTileCostTokens + start[a + 1] - start[a]) <= target)
+            cum += p.g.tiles1 * (kTileCostTokens + start[a + 1] - start[a]), ++a;
+        const int64_t cost = a < A ? kTileCostTokens + start[a + 1] - start[a] : 1;
+        split[i] = i == nthreads ? A * p.g.tiles1 : a * p.g.tiles1 + (target - cum + cost - 1) / cost;
+    }
+    p.A = A, p.expert = expert, p.start = start, p.pair_expert = pair_expert;
+    p.pair_tok = pair_tok, p.pair_w = pair_w, p.split = split;
+    return true;
+}
+
+int run_call(tandem_call* c) {
+    State& s = state();
+    if (c->fmt < 0 || c->fmt >= FMT_COUNT || c->top_k < 1 || c->rows < 0 || c->x_dtype > DT_BF16 ||
+        c->w_dtype > DT_BF16 || (c->ids_dtype != DT_I32 && c->ids_dtype != DT_I64))
+        return ST_BAD_ARGS;
+    const int64_t T = c->num_tokens ? *c->num_tokens : c->rows;
+    if (T < 0 || T > c->rows) return c->bad_value = T, ST_BAD_COUNT;
+    for (int64_t i = 0; i < T * c->top_k; ++i) {
+        int64_t e = id_at(c, i);
+        if (e < 0 || e >= c->num_experts) return c->bad_value = e, ST_BAD_EXPERT;
+    }
+    Plan p{c, Geometry(c->fmt, c->hidden, c->inter), nullptr, false, 0, 0, 0, 0, 0, 0,
+           nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    if (p.g.expert_bytes != c->expert_bytes) return ST_BAD_ARGS;
+    const Kernels* k = s.kernels;
+    p.bf16_acts = k->bf16[c->fmt] != nullptr && c->x_dtype == DT_BF16;
+    p.fn = p.bf16_acts ? k->bf16[c->fmt] : k->f32[c->fmt];
+    p.k = c->top_k;
+    p.x_rows = p.bf16_acts ? p.g.hp() / 2 : p.g.hp();
+    p.a_rows = p.bf16_acts ? p.g.ip() / 2 : p.g.ip();
+    const int nthreads = s.pool.size();
+    for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+        p.t0 = t0, p.T = T - t0 < kChunk ? T - t0 : kChunk;
+        const int64_t P = p.T * p.k;
+        p.x = static_cast<uint32_t*>(s.x.get(P * p.x_rows * 4));
+        p.act = static_cast<uint32_t*>(s.act.get(P * p.a_rows * 4));
+        p.acc = static_cast<float*>(s.acc.get(p.T * p.g.hp() * 4));
+        if (!p.x || !p.act || !p.acc || !route(p, nthreads)) return ST_NO_MEMORY;
+        s.pool.run(moe_job, &p);
+    }
+    return ST_OK;
+}
+
+// ---- packing (the layout itself is written in moe_scalar.cpp) -----------------------------------
+
+struct PackJob {
+    int fmt, hidden, inter;
+    ExpertSources src;
+    uint8_t* dst;
+};
+
+void pack_job(void* ctx, int tid, int nthreads) {
+    const PackJob& j = *static_cast<const PackJob*>(ctx);
+    const Geometry g(j.fmt, j.hidden, j.inter);
+    const int64_t tiles = g.tiles1 + g.tiles2;
+    pack_tiles(j.fmt, j.hidden, j.inter, j.src, tiles * tid / nthreads, tiles * (tid + 1) / nthreads, j.dst);
+}
+
+struct ReadJob {
+    const uint8_t* buf;
+    int64_t n;
+    int active;
+    uint64_t sink[256];
+};
+
+void read_job(void* ctx, int tid, int) {
+    ReadJob& j = *static_cast<ReadJob*>(ctx);
+    if (tid >= j.active) return;
+    const int64_t units = j.n / 4096;  // slices in whole pages
+    const int64_t b = units * tid / j.active * 4096, e = units * (tid + 1) / j.active * 4096;
+    j.sink[tid % 256] ^= state().kernels->read(j.buf + b, e - b);
+}
+
+}  // namespace
+}  // namespace tandem
+
+// ---- C API -----------------------------------------------------------------------------------
+
+TANDEM_API int tandem_isa_supported(int isa) { return isa_supported(isa); }
+
+TANDEM_API int tandem_best_isa() {
+    for (int isa = ISA_COUNT - 1; isa > 0; --isa)
+        if (isa_supported(isa)) return isa;
+    return ISA_SCALAR;
+}
+
+TANDEM_API int tandem_set_isa(int isa) {  // 0 ok, -1 unsupported
+    if (isa < 0 || isa >= ISA_COUNT || !isa_supported(isa)) return -1;
+    std::lock_guard<std::mutex> lock(state().mutex);
+    state().isa = isa, state().kernels = kernels_for(isa);
+    return 0;
+}
+
+TANDEM_API int tandem_get_isa() { return state().isa; }
+
+TANDEM_API void tandem_set_threads(int n) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    state().pool.resize(n);
+}
+
+TANDEM_API int tandem_num_threads() { return state().pool.size(); }
+
+TANDEM_API int64_t tandem_expert_bytes(int fmt, int hidden, int inter) { return Geometry(fmt, hidden, inter).expert_bytes; }
+
+// Packs one expert into dst (expert_bytes). Sources, row-major, as cpu_experts.py quantises them:
+//   fp32 float [rows][K]; bf16 uint16 [rows][K]; int8 int8 [rows][K] + aux float [rows];
+//   int4 int8 codes -8..7 [rows][Kp] + aux bf16 [rows][Kp/32] (Kp = K rounded up to 32);
+//   mxfp4 uint8 [rows][K/2] + aux E8M0 [rows][K/32] (K a multiple of 32).
+// gate/up are [I][H], down [H][I].
+TANDEM_API void tandem_pack_expert(int fmt, int hidden, int inter, uint8_t* dst, const void* gate, const void* gate_aux,
+                                   const void* up, const void* up_aux, const void* down, const void* down_aux) {
+    const int64_t kh = fmt == FMT_INT4 ? round_up(hidden, kBlock) : hidden;
+    const int64_t ki = fmt == FMT_INT4 ? round_up(inter, kBlock) : inter;
+    auto u8 = [](const void* p) { return static_cast<const uint8_t*>(p); };
+    PackJob j{fmt, hidden, inter,
+              {{u8(gate), u8(gate_aux), inter, kh}, {u8(up), u8(up_aux), inter, kh}, {u8(down), u8(down_aux), hidden, ki}},
+              dst};
+    std::lock_guard<std::mutex> lock(state().mutex);
+    state().pool.run(pack_job, &j);
+}
+
+// The expert as the kernels see it: fp32 gate/up [I][H], down [H][I].
+TANDEM_API void tandem_unpack_expert(int fmt, int hidden, int inter, const uint8_t* src, float* gate, float* up,
+                                     float* down) {
+    unpack_expert(fmt, hidden, inter, src, gate, up, down);
+}
+
+// Asks for transparent huge pages over [ptr, ptr + n) before its first touch: streaming a
+// layer's experts then misses the TLB once per 2 MiB, not per 4 KiB. A hint; 0 if taken.
+TANDEM_API int tandem_advise_huge_pages(void* ptr, int64_t n) {
+    const uintptr_t huge = uintptr_t(2) << 20, begin = (uintptr_t(ptr) + huge - 1) & ~(huge - 1),
+                    end = (uintptr_t(ptr) + uintptr_t(n)) & ~(huge - 1);
+    return end > begin ? madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) : -1;
+}
+
+TANDEM_API int tandem_moe(tandem_call* c) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    c->status = run_call(c);
+    return c->status;
+}
+
+// cudaHostFn_t: runs on a CUDA driver thread; no CUDA, no Python; errors land in c->status.
+TANDEM_API void tandem_host_fn(void* c) { tandem_moe(static_cast<tandem_call*>(c)); }
+
+// Best of `repeats` timed reads of buf[0, n) (n a multiple of 4096, buf 64-aligned) on the
+// first `threads` threads of the pool; seconds.
+TANDEM_API double tandem_read_seconds(const uint8_t* buf, int64_t n, int threads, int repeats) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    const int active = threads < 1 ? 1 : threads > state().pool.size() ? state().pool.size() : threads;
+    ReadJob j{buf, n, active, {}};
+    double best = 1e30;
+    for (int r = 0; r < repeats; ++r) {
+        int64_t t0 = now_ns();
+        state().pool.run(read_job, &j);
+        double sec = double(now_ns() - t0) * 1e-9;
+        best = sec < best ? sec : best;
+    }
+    volatile uint64_t keep = j.sink[0];
+    (void)keep;
+    return best;
+}

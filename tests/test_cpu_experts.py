@@ -1,0 +1,287 @@
+"""The CPU expert kernel (tandem/offload/cpu_experts.py) against its torch reference, on every ISA
+this CPU runs (scalar and avx2 always; avx512 / avx512bf16 where present) and every format.
+
+Tolerances, as a share of max|reference| unless said otherwise:
+- fp32 hidden: 1e-5 (fp32 math, only the summation order differs);
+- bf16 hidden, fp32 intermediate: the output's bf16 rounding, 2^-8 of each element, + 1e-5;
+- bf16 hidden on avx512bf16 with bf16 / int4 / mxfp4 weights (bf16 intermediate): 1e-2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tandem.offload import cpu_build
+from tandem.offload import cpu_experts as ce
+
+ALL_ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request):
+    if request.param not in ce.supported_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    ce.set_isa(request.param)
+    yield request.param
+    ce.set_isa(None)
+
+
+@pytest.fixture
+def threads():
+    before = ce.num_threads()
+    yield ce.set_threads
+    ce.set_threads(before)
+
+
+def _weights(e: int, h: int, i: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(e, i, h, generator=g), torch.randn(e, i, h, generator=g), torch.randn(e, h, i, generator=g) / 4)
+
+
+def _routing(t: int, k: int, e: int, seed: int, ids_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (t, k), generator=g)  # few experts: many shared across tokens
+    if t > 1 and k > 1:
+        ids[1, :] = ids[1, 0]  # one token picking the same expert twice
+    return ids.to(ids_dtype), torch.rand(t, k, generator=g)
+
+
+def _assert_close(y: torch.Tensor, ref: torch.Tensor, bf16_out: bool, bf16_intermediate: bool) -> None:
+    scale = ref.abs().max().item()
+    err = (y.float() - ref).abs()
+    if bf16_intermediate:
+        bound = torch.full_like(ref, 1e-2 * scale)
+    elif bf16_out:
+        bound = 2**-8 * ref.abs() + 1e-5 * scale
+    else:
+        bound = torch.full_like(ref, 1e-5 * scale)
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} (max |ref| {scale:.3g})"
+
+
+# Shapes with remainders everywhere: H not a multiple of 16 or 32, I not of 8 (mxfp4 needs 32s).
+SHAPES = {"mxfp4": [(5, 96, 64), (4, 64, 96)], "other": [(5, 96, 64), (6, 72, 44)]}
+
+
+@pytest.mark.parametrize("fmt", ce.WEIGHT_FORMATS)
+def test_matches_reference(isa, fmt):
+    for e, h, i in SHAPES["mxfp4" if fmt == "mxfp4" else "other"]:
+        layer = ce.CpuExpertLayer.from_dense(*_weights(e, h, i), fmt)
+        dq = layer.dequantized()
+        for n, (t, k, dtype) in enumerate([(t, k, d) for t in (1, 3, 17) for k in (1, 4)
+                                             for d in (torch.float32, torch.bfloat16)]):
+            x = torch.randn(t, h, generator=torch.Generator().manual_seed(n)).to(dtype)
+            ids, w = _routing(t, k, e, seed=n, ids_dtype=torch.int32 if n % 2 else torch.int64)
+            if n % 3 == 0:
+                w = w.to(dtype)
+            y = layer(x, ids, w)
+            assert y.dtype == dtype and y.shape == (t, h)
+            bf16 = dtype == torch.bfloat16
+            _assert_close(y, ce.reference_moe(x, ids, w, *dq), bf16_out=bf16,
+                          bf16_intermediate=bf16 and isa == "avx512bf16" and fmt in ("bf16", "int4", "mxfp4"))
+
+
+def test_long_batch_is_chunked(isa):
+    """More tokens than one pass takes (512): the passes add up to the whole."""
+    layer = ce.CpuExpertLayer.from_dense(*_weights(4, 32, 32), "fp32")
+    x = torch.randn(700, 32)
+    ids, w = _routing(700, 2, 4, seed=1)
+    _assert_close(layer(x, ids, w), ce.reference_moe(x, ids, w, *layer.dequantized()), False, False)
+
+
+def test_zero_tokens():
+    layer = ce.CpuExpertLayer.from_dense(*_weights(2, 32, 32), "bf16")
+    y = layer(torch.zeros(0, 32), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
+    assert y.shape == (0, 32)
+
+
+def test_bf16_is_the_rounding_of_the_input():
+    gate, up, down = _weights(3, 72, 44)
+    dq = ce.CpuExpertLayer.from_dense(gate, up, down, "bf16").dequantized()
+    for got, want in zip(dq, (gate, up, down)):
+        assert torch.equal(got, want.bfloat16().float())
+
+
+def test_fp32_is_exact():
+    gate, up, down = _weights(3, 72, 44)
+    for got, want in zip(ce.CpuExpertLayer.from_dense(gate, up, down, "fp32").dequantized(), (gate, up, down)):
+        assert torch.equal(got, want)
+
+
+def test_int8_error_bound():
+    """Symmetric per output row: error <= half a step, step = max|row| / 127."""
+    gate, up, down = _weights(3, 72, 44)
+    for got, want in zip(ce.CpuExpertLayer.from_dense(gate, up, down, "int8").dequantized(), (gate, up, down)):
+        step = want.abs().amax(-1, keepdim=True) / 127
+        assert ((got - want).abs() <= 0.5 * step * (1 + 1e-5)).all()
+
+
+def test_int4_error_bound():
+    """Groups of 32 inputs, bf16 scale = max|group| / 7: error <= ~half a step (0.55 with the
+    scale's bf16 rounding)."""
+    gate, up, down = _weights(3, 72, 44)
+    for got, want in zip(ce.CpuExpertLayer.from_dense(gate, up, down, "int4").dequantized(), (gate, up, down)):
+        k = want.shape[-1]
+        groups = torch.nn.functional.pad(want, (0, -k % 32)).unflatten(-1, (-1, 32))
+        step = (groups.abs().amax(-1, keepdim=True) / 7).expand_as(groups).flatten(-2)[..., :k]
+        assert ((got - want).abs() <= 0.55 * step).all()
+
+
+def _decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Independent E2M1 + E8M0 decode: [..., out, in/2], [..., out, in/32] -> fp32 [..., out, in]."""
+    values = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2).long()  # low nibble first
+    scale = torch.tensor([2.0 ** (s - 127) for s in range(256)], dtype=torch.float64).float()  # 2^-127 is exact
+    scale[255] = math.inf  # the kernel's reading of the NaN code (never written by a quantiser)
+    return values[codes] * scale[scales.long()].repeat_interleave(32, dim=-1)
+
+
+def test_mxfp4_keeps_the_checkpoint_values():
+    gate, up, down = _weights(3, 64, 96)
+    packed = [ce.quantize_mxfp4(w) for w in (gate, up, down)]
+    dq = ce.CpuExpertLayer.from_mxfp4(*packed).dequantized()
+    for got, (blocks, scales), w in zip(dq, packed, (gate, up, down)):
+        want = _decode_mxfp4(blocks, scales)
+        assert torch.equal(got, want)
+        step = 2.0 ** (scales.float() - 127)  # nearest value: within a step (the 4 -> 6 gap is 2 steps)
+        assert ((want - w).abs() <= step.repeat_interleave(32, dim=-1)).all()
+        block_max = w.abs().unflatten(-1, (-1, 32)).amax(-1) / step  # the smallest scale that fits
+        assert ((block_max > 3) & (block_max <= 6)).all()
+
+
+def test_mxfp4_raw_bytes(isa):
+    """Any codes and scales (0 = the subnormal 2^-127 included) decode as stored; the kernel
+    matches the reference on scales in a normal range."""
+    g = torch.Generator().manual_seed(3)
+    e, h, i = 4, 64, 96
+
+    def raw(rows, cols, lo=0, hi=255):
+        return (torch.randint(0, 256, (e, rows, cols // 2), generator=g, dtype=torch.uint8),
+                torch.randint(lo, hi, (e, rows, cols // 32), generator=g, dtype=torch.uint8))
+    any_bytes = [raw(i, h), raw(i, h), raw(h, i)]
+    dq = ce.CpuExpertLayer.from_mxfp4(*any_bytes).dequantized()
+    for got, (blocks, scales) in zip(dq, any_bytes):
+        assert torch.equal(got, _decode_mxfp4(blocks, scales))
+    normal = [raw(i, h, 120, 128), raw(i, h, 120, 128), raw(h, i, 118, 124)]
+    layer = ce.CpuExpertLayer.from_mxfp4(*normal)
+    x = torch.randn(5, h, generator=g)
+    ids, w = _routing(5, 3, e, seed=4)
+    _assert_close(layer(x, ids, w), ce.reference_moe(x, ids, w, *layer.dequantized()), False, False)
+
+
+def test_forward_into_leaves_other_rows(isa):
+    layer = ce.CpuExpertLayer.from_dense(*_weights(5, 96, 64), "bf16")
+    x = torch.randn(8, 96).bfloat16()
+    ids, w = _routing(8, 4, 5, seed=5)
+    out = torch.full((8, 96), 7.0, dtype=torch.bfloat16)
+    layer.forward_into(x, ids, w, out, num_tokens=3)
+    assert torch.equal(out[:3], layer(x[:3], ids[:3], w[:3]))
+    assert (out[3:] == 7).all()
+
+
+def test_host_job_reads_the_count_at_run_time(isa):
+    layer = ce.CpuExpertLayer.from_dense(*_weights(5, 96, 64), "mxfp4")
+    x = torch.randn(6, 96)
+    ids, w = _routing(6, 4, 5, seed=6)
+    out = torch.full((6, 96), 7.0)
+    count = torch.tensor([2], dtype=torch.int32)
+    job = layer.host_job(x, ids, w, out, count)
+    assert job.fn_ptr and job.arg_ptr
+    job.run()
+    assert torch.equal(out[:2], layer(x[:2], ids[:2], w[:2])) and (out[2:] == 7).all()
+    count.fill_(6)
+    x.mul_(-1)  # the job reads the buffers when it runs, too
+    job.run()
+    assert torch.equal(out, layer(x, ids, w))
+    count.fill_(7)
+    with pytest.raises(ValueError, match="num_tokens is 7"):
+        job.run()
+    assert job.status != 0
+    count.fill_(6)
+    ids[0, 0] = 99
+    before = out.clone()
+    with pytest.raises(ValueError, match="expert 99"):
+        job.run()
+    assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "mxfp4"])
+def test_thread_count_does_not_change_results(threads, fmt):
+    layer = ce.CpuExpertLayer.from_dense(*_weights(6, 96, 64), fmt)
+    x = torch.randn(17, 96).bfloat16()
+    ids, w = _routing(17, 4, 6, seed=7)
+    results = []
+    for n in (1, 2, 3):
+        threads(n)
+        assert ce.num_threads() == n
+        results.append(layer(x, ids, w))
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_bad_inputs_raise_value_errors():
+    layer = ce.CpuExpertLayer.from_dense(*_weights(4, 32, 32), "fp32")
+    x, ids, w = torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
+    bad_calls = {
+        "columns": (torch.randn(3, 16), ids, w),
+        "float32 or bfloat16": (x.half(), ids, w),
+        "int32 or int64": (x, ids.float(), w),
+        "topk_weights must be": (x, ids, w.double()),
+        "2-D": (x[0], ids, w),
+        "must both be": (x, ids, w[:, :1]),
+        "outside 0..3": (x, ids + 4, w),
+        "CPU tensors": (x.to("meta"), ids, w),
+    }
+    for message, args in bad_calls.items():
+        with pytest.raises(ValueError, match=message):
+            layer(*args)
+    with pytest.raises(ValueError, match="out must be"):
+        layer.forward_into(x, ids, w, torch.empty(3, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        layer.forward_into(x, ids, w, torch.empty(32, 3).T)
+    with pytest.raises(ValueError, match="num_tokens 4"):
+        layer.forward_into(x, ids, w, torch.empty(3, 32), num_tokens=4)
+    with pytest.raises(ValueError, match="int32 tensor"):
+        layer.host_job(x, ids, w, torch.empty(3, 32), torch.tensor([1]))
+    with pytest.raises(ValueError, match="shape"):
+        layer.set_expert(0, torch.randn(32, 16), torch.randn(32, 32), torch.randn(32, 32))
+    with pytest.raises(ValueError, match="outside"):
+        layer.set_expert(4, torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 32))
+    with pytest.raises(ValueError, match="mxfp4 layer"):
+        layer.set_expert_mxfp4(0, *[(torch.zeros(32, 16, dtype=torch.uint8), torch.zeros(32, 1, dtype=torch.uint8))] * 3)
+    with pytest.raises(ValueError, match="unknown CPU expert format"):
+        ce.CpuExpertLayer.empty(4, 32, 32, "fp8")
+    with pytest.raises(ValueError, match="multiples of 32"):
+        ce.CpuExpertLayer.empty(4, 48, 32, "mxfp4")
+    with pytest.raises(ValueError, match="unknown ISA"):
+        ce.set_isa("sse4")
+    with pytest.raises(ValueError, match="positive"):
+        ce.set_threads(0)
+
+
+def test_sizes():
+    layer = ce.CpuExpertLayer.empty(3, 2048, 768, "bf16")
+    assert layer.bytes_per_expert == 3 * 2048 * 768 * 2  # no padding at real shapes
+    assert layer.nbytes == 3 * layer.bytes_per_expert
+    mx = ce.CpuExpertLayer.empty(2, 4096, 2048, "mxfp4")
+    assert mx.bytes_per_expert == 3 * 4096 * 2048 * 17 // 32  # codes plus one scale byte per 32
+    assert ce.kernel_isa() in ALL_ISAS
+
+
+def test_missing_compiler_is_one_clear_error(tmp_path):
+    with pytest.raises(ce.CpuKernelBuildError) as info:
+        cpu_build.library_path(cxx=str(tmp_path / "no-such-dir" / "g++"), cache_dir=tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and "not found" in message and "install gcc/g++" in message
+
+
+def test_compile_failure_shows_the_compiler_output(tmp_path):
+    with pytest.raises(ce.CpuKernelBuildError, match="no-such-option"):
+        cpu_build.library_path(cache_dir=tmp_path, extra_flags=("-fno-such-option",))
+    assert not list(tmp_path.glob("*/libtandem_moe.so"))  # nothing half-built left to load
+
+
+def test_measure_read_bandwidth():
+    bw = ce.measure_read_bandwidth(8 << 20, repeats=2)
+    assert math.isfinite(bw) and bw > 0
