@@ -9,8 +9,8 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from tandem.config import (
-    CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpecConfig, parse_size, resolve_device,
-    resolve_dtype,
+    CacheConfig, EngineConfig, ModelConfig, OffloadConfig, RunnerConfig, SchedulerConfig, SpecConfig, parse_size,
+    resolve_device, resolve_dtype,
 )
 from tandem.core import SamplingParams, TokenLogprobs
 from tandem.engine.engine import LLMEngine
@@ -51,6 +51,11 @@ class LLM:
         max_k: int = 0,
         cpu_threads: int | None = None,
         speculative_config: str | dict[str, Any] | None = None,
+        cpu_moe: bool = False,
+        n_cpu_moe: int | None = None,
+        gpu_resident_moe_layers: str | tuple[int, ...] | None = None,
+        cpu_moe_threads: int | None = None,
+        cpu_moe_dtype: str = "auto",
     ) -> None:
         """Keyword arguments as `tandem serve`'s flags; `speculative_config` is the
         `--speculative-config` JSON (or its dict), e.g. {"method": "ngram", "num_speculative_tokens": 3}.
@@ -64,6 +69,9 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             spec=SpecConfig.parse(speculative_config, max_k),
             runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops, cpu_threads),
+            offload=OffloadConfig(cpu_moe, n_cpu_moe, OffloadConfig.parse_layers(gpu_resident_moe_layers)
+                                  if isinstance(gpu_resident_moe_layers, str) else gpu_resident_moe_layers,
+                                  cpu_moe_threads, cpu_moe_dtype),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

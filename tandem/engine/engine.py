@@ -9,7 +9,6 @@ one after another) raises EngineFatalError out of `step`.
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import time
 from itertools import accumulate
@@ -30,8 +29,9 @@ from tandem.engine.structured import StepMasks, StructuredOutputs
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
 from tandem.models.base import CausalLM
-from tandem.models.loader import inspect_checkpoint, load_checkpoint
-from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, kv_blocks
+from tandem.models.loader import load_checkpoint
+from tandem.offload.cpu_executor import OffloadedExperts
+from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, kv_blocks, plan_memory
 from tandem.spec.controller import SpecDecoder
 from tandem.spec.proposer import Draft
 from tandem.spec.verify import VerifyResult, accept_greedy, is_plain_greedy, verify
@@ -89,11 +89,9 @@ class LLMEngine:
                     ", ".join(f"{k} {v}" for k, v in defaults.items()) or "Tandem's own", mc.generation_config)
         self.model_name = mc.served_model_name or Path(mc.model).resolve().name
         if model is None:
-            info = inspect_checkpoint(mc.model)  # validates every file before memory is touched
-            elem = torch.empty((), dtype=mc.dtype).element_size()
-            used = (e for name, e in info.tensors.items() if name not in info.unused)
-            self._check_weights_fit(sum(math.prod(e.shape) for e in used) * elem)
-        self.model = model if model is not None else load_checkpoint(mc.model, mc.dtype, self.device)[0]
+            sink = self._plan_placement()  # validates every file, plans where experts go
+            model = load_checkpoint(mc.model, mc.dtype, self.device, sink=sink)[0]
+        self.model = model
         self.runner_config = config.runner.resolve(self.device.type, mc.dtype)
         self._set_cpu_threads()
         self._install_kernels()
@@ -195,6 +193,34 @@ class LLMEngine:
         self.runner.capture(max_num_seqs, families, self.max_model_len)
         if self.spec is not None:
             self.spec.capture(max_num_seqs, self.max_model_len)
+
+    def _plan_placement(self) -> OffloadedExperts | None:
+        """Plan where the routed experts go (tandem/offload/placement.py) before memory is touched;
+        refuse, naming the shortfall and the flag, a placement that fits neither GPU nor RAM.
+        Returns the loader's hook for experts in RAM, or None when they all stay on the device."""
+        cfg, mc = self.config, self.config.model
+        plan = plan_memory(
+            mc.model, mc.dtype, self.device.type, max_model_len=mc.max_model_len,
+            max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            block_size=cfg.cache.block_size, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
+            offload=cfg.offload,
+        )
+        placement = plan.placement
+        assert placement is not None, "plan_memory always places the experts"
+        if plan.offload_problems:
+            raise MemoryError("; ".join(plan.offload_problems))
+        gpu_bytes = sum(v for k, v in plan.weights.items() if "in RAM" not in k)
+        self._check_weights_fit(gpu_bytes)
+        if placement.num_experts:
+            logger.info("Expert placement: %s", placement.reason)
+        if not placement.offloaded:
+            return None
+        if placement.lossy:
+            logger.warning("--cpu-moe-dtype %s is a LOSSY conversion of the checkpoint's expert weights",
+                           placement.cpu_format)
+        spec = cfg.spec
+        rows = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs * (1 + spec.max_k))
+        return OffloadedExperts(placement, cfg.offload.cpu_moe_threads, staging_rows=rows)
 
     def _check_weights_fit(self, weights_bytes: int) -> None:
         if self.device.type != "cuda":

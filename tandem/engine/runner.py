@@ -127,6 +127,10 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buckets: tuple[int, ...] = ()
         self._warned: set[tuple[int, int]] = set()  # step shapes that fell back to eager
+        # Routed experts in RAM (tandem/offload/cpu_executor.py): before a replay, the real rows of
+        # the padded batch go into this device scalar, so the CPU kernel skips the pads' experts.
+        offloaded = getattr(model, "cpu_experts", None)
+        self._live_rows: torch.Tensor | None = offloaded.live_rows if offloaded is not None else None
 
     # -- inputs -------------------------------------------------------------------------------
     def build_step(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
@@ -274,6 +278,8 @@ class ModelRunner:
             self._fill_static_pattern(b, q)
             self._seq[:b].fill_(q)  # the query's own positions: causal attention over q tokens
             if (b, q) in self.graphs:
+                if self._live_rows is not None:
+                    self._live_rows.fill_(b * q)
                 times[(b, q)] = seconds_per_call(self.graphs[(b, q)].graph.replay, self.device, repeats)
                 continue
             step, ids, pos = self._static_step(b, q), self._ids[: b * q], self._pos[: b * q]
@@ -344,6 +350,8 @@ class ModelRunner:
             self._tables[g][:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
             self._tables[g][n:bucket, 0].fill_(self.sink_block)
             self._slots[g][: bucket * q].copy_(torch.tensor(slot_rows[g] + [sink_slot] * pad_tokens), non_blocking=True)
+        if self._live_rows is not None:
+            self._live_rows.fill_(n * q)
         entry = self.graphs[key]
         entry.graph.replay()
         if all(s.num_tokens == q == s.num_logits for s in batch):

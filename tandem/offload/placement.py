@@ -29,8 +29,8 @@ LOSSY_CONVERSIONS = frozenset({"int8", "int4", "mxfp4"})  # from a bf16 / fp32 c
 
 def expert_bytes(fmt: str, hidden: int, inter: int) -> int:
     """Bytes of one routed expert (gate, up [I, H] and down [H, I]) in the CPU kernel's format:
-    what reading it for one token costs. Scales: int8 one fp32 per output row, int4 one fp32 per
-    32 inputs, mxfp4 one e8m0 byte per 32 inputs."""
+    what reading it for one token costs. Scales: int8 one fp32 per output row, int4 one bf16 per
+    32 inputs, mxfp4 one e8m0 byte per 32 inputs (tests check this against the kernel's layout)."""
     n = 3 * hidden * inter
     if fmt == "fp32":
         return 4 * n
@@ -39,7 +39,7 @@ def expert_bytes(fmt: str, hidden: int, inter: int) -> int:
     if fmt == "int8":
         return n + 4 * (2 * inter + hidden)
     if fmt == "int4":
-        return n // 2 + 4 * (n // 32)
+        return n // 2 + 2 * (n // 32)
     if fmt == "mxfp4":
         return n // 2 + n // 32
     raise ValueError(f"unknown CPU expert format {fmt!r}")

@@ -1,0 +1,202 @@
+"""The MoE executor of a layer whose routed experts live in RAM: the CPU expert kernel
+(tandem/offload/cpu_experts.py) behind the `experts(hidden, topk_ids, topk_weights)` contract.
+
+On a CPU run the kernel is called directly. On CUDA every offloaded layer goes through the same
+few stream operations, eager or inside a CUDA graph alike:
+
+    hidden, topk_ids, topk_weights, live-row count --(D2H into pinned staging)-->
+    host node: the kernel reads the staging buffers, computes, writes the staged output
+    --(H2D)--> the layer's output on the GPU
+
+The host node is `cuLaunchHostFunc` with a C function of the kernel library (it never enters
+Python), so a captured decode graph replays CPU experts with no Python in the loop. The staging
+buffers are shared by every offloaded layer: the stream orders one layer's copies and host node
+after the previous layer's. The number of rows the kernel computes is a device scalar copied with
+the inputs: eager calls set it to the rows they pass; before a graph replay the runner writes the
+real rows of the padded batch into it (`live_rows`), so the kernel skips the pads' experts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import re
+import resource
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from tandem.offload.cpu_experts import CpuExpertLayer
+    from tandem.offload.placement import Placement
+
+logger = logging.getLogger("tandem")
+
+_EXPERT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@functools.cache
+def _cu_launch_host_func():  # noqa: ANN202 - a ctypes function
+    """The driver's cuLaunchHostFunc(CUstream, CUhostFn, void*) (libcuda is loaded by torch)."""
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def launch_host_func(stream: torch.cuda.Stream, fn_ptr: int, arg_ptr: int) -> None:
+    rc = _cu_launch_host_func()(stream.cuda_stream, fn_ptr, arg_ptr)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {rc}: the CPU experts cannot be queued on the stream")
+
+
+def pin_in_place(tensor: torch.Tensor) -> None:
+    """Page-lock a CPU tensor's memory where it is (cudaHostRegister), unlocked when the tensor
+    is freed. torch's pinned allocator would round each layer's experts up to a power of two (a
+    1.2 GiB layer would take 2 GiB); registering pins exactly the bytes. Pinned experts never swap
+    and can be copied to the GPU at full PCIe speed."""
+    cudart = torch.cuda.cudart()
+    ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    err = cudart.cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size / 2**30:.2f} GiB of routed experts failed (cudaError {int(err)}): "
+                           "is the locked-memory limit (ulimit -l) too low?")
+    weakref.finalize(tensor, cudart.cudaHostUnregister, ptr)
+
+
+class Staging:
+    """Pinned host buffers for the rows of one step, and the device row count (see module doc)."""
+
+    def __init__(self, rows: int, hidden_size: int, top_k: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows, self.device = rows, device
+        pin = dict(pin_memory=True)
+        self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, **pin)  # [R, H]
+        self.ids = torch.zeros(rows, top_k, dtype=torch.int64, **pin)  # [R, k]
+        self.weights = torch.zeros(rows, top_k, dtype=dtype, **pin)  # [R, k]
+        self.out = torch.zeros(rows, hidden_size, dtype=dtype, **pin)  # [R, H]
+        self.count = torch.zeros(1, dtype=torch.int32, **pin)  # rows the kernel computes
+        self.live_rows = torch.zeros(1, dtype=torch.int32, device=device)  # written before a graph replay
+
+
+class CpuMoEExecutor:
+    """MoEExecutor for one offloaded layer (its experts in `layer`, in RAM)."""
+
+    def __init__(self, layer: CpuExpertLayer, staging: Staging | None) -> None:
+        self.layer = layer
+        self.staging = staging
+        self.job = None
+        if staging is not None:
+            self.job = layer.host_job(staging.hidden, staging.ids, staging.weights, staging.out, staging.count)
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if hidden.device.type == "cpu":
+            return self.layer(hidden, topk_ids, topk_weights)
+        stage = self.staging
+        if stage is None:
+            raise RuntimeError("this CPU expert layer was built for a CPU run; it got CUDA tensors")
+        num_tokens = hidden.shape[0]
+        if torch.cuda.is_current_stream_capturing():
+            if num_tokens > stage.rows:
+                raise RuntimeError(f"a captured step of {num_tokens} rows exceeds the CPU experts' staging "
+                                   f"({stage.rows} rows)")
+            return self._queue(hidden, topk_ids, topk_weights)
+        if num_tokens <= stage.rows:
+            stage.live_rows.fill_(num_tokens)
+            return self._queue(hidden, topk_ids, topk_weights)
+        out = torch.empty_like(hidden)
+        for start in range(0, num_tokens, stage.rows):  # a long prefill chunk, in pieces of the staging's rows
+            end = min(start + stage.rows, num_tokens)
+            stage.live_rows.fill_(end - start)
+            out[start:end] = self._queue(hidden[start:end], topk_ids[start:end], topk_weights[start:end])
+        return out
+
+    def _queue(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        stage, n = self.staging, hidden.shape[0]
+        assert stage is not None and self.job is not None
+        stage.hidden[:n].copy_(hidden, non_blocking=True)
+        stage.ids[:n].copy_(topk_ids, non_blocking=True)
+        stage.weights[:n].copy_(topk_weights, non_blocking=True)
+        stage.count.copy_(stage.live_rows, non_blocking=True)
+        launch_host_func(torch.cuda.current_stream(hidden.device), self.job.fn_ptr, self.job.arg_ptr)
+        return stage.out[:n].to(hidden.device, non_blocking=True)
+
+
+class OffloadedExperts:
+    """The loader's hook for the layers a placement puts in RAM: takes their routed experts out of
+    the model before it is materialised (no device memory for them), packs each expert from the
+    checkpoint straight into its layer's kernel layout (one expert at a time: there is never a
+    second full copy in RAM), then installs a CpuMoEExecutor on each of those layers.
+
+    `staging_rows` is the most rows one step hands an offloaded layer on CUDA (the largest
+    batch of a captured graph or a prefill chunk); longer eager calls are split."""
+
+    def __init__(self, placement: Placement, threads: int | None = None, staging_rows: int = 2048) -> None:
+        self.placement = placement
+        self.layers_in_ram = set(placement.cpu_layers)
+        self.threads = threads
+        self.staging_rows = staging_rows
+        self.layers: dict[int, CpuExpertLayer] = {}
+        self._pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.staging: Staging | None = None
+
+    def prepare(self, model: nn.Module) -> None:
+        """On the meta model: detach the offloaded layers' experts (kept as shapes only)."""
+        from tandem.offload import cpu_experts
+
+        if self.threads is not None:
+            cpu_experts.set_threads(self.threads)
+        for i, block in model.moe_blocks().items():
+            if i in self.layers_in_ram:
+                hidden, inter = block.experts[0].down_proj.weight.shape
+                block.detach_experts()
+                self.layers[i] = cpu_experts.CpuExpertLayer.empty(block.num_experts, hidden, inter,
+                                                                  self.placement.cpu_format)
+                if torch.cuda.is_available():
+                    pin_in_place(self.layers[i].data)
+        logger.info("Routed experts of %d MoE layers go to RAM as %s (%.2f GiB): CPU expert kernel %s, %d threads",
+                    len(self.layers), self.placement.cpu_format, self.placement.cpu_bytes / 2**30,
+                    cpu_experts.kernel_isa(), cpu_experts.num_threads())
+
+    def wants(self, name: str) -> bool:
+        m = _EXPERT_NAME.search(name)
+        return m is not None and int(m.group(1)) in self.layers_in_ram
+
+    def take(self, name: str, tensor: torch.Tensor) -> None:
+        """One checkpoint tensor of an offloaded expert; the expert is packed once all three came."""
+        m = _EXPERT_NAME.search(name)
+        assert m is not None, name
+        key = (int(m.group(1)), int(m.group(2)))
+        parts = self._pending.setdefault(key, {})
+        parts[m.group(3)] = tensor
+        if len(parts) == 3:
+            self.layers[key[0]].set_expert(key[1], parts["gate_proj"], parts["up_proj"], parts["down_proj"])
+            del self._pending[key]
+
+    def install(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """After loading: every expert of every offloaded layer must have arrived."""
+        if self._pending:
+            (layer, expert), parts = next(iter(self._pending.items()))
+            raise RuntimeError(f"layer {layer} expert {expert}: the checkpoint held only {sorted(parts)} of "
+                               "gate_proj, up_proj, down_proj")
+        blocks = model.moe_blocks()
+        if device.type == "cuda" and self.layers:
+            first = blocks[min(self.layers)]
+            self.staging = Staging(self.staging_rows, first.gate.in_features, first.top_k, dtype, device)
+        for i, layer in self.layers.items():
+            blocks[i].set_executor(CpuMoEExecutor(layer, self.staging))
+        model.cpu_experts = self  # the runner writes a graph replay's real rows into live_rows
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        logger.info("CPU experts installed on layers %s; peak RSS %.2f GiB (experts in RAM %.2f GiB)",
+                    _short(sorted(self.layers)), peak / 2**30, self.placement.cpu_bytes / 2**30)
+
+    @property
+    def live_rows(self) -> torch.Tensor | None:
+        """The device scalar a graph replay writes its real row count into (None: no staging)."""
+        return None if self.staging is None else self.staging.live_rows
+
+
+def _short(indices: list[int]) -> str:
+    return f"{indices[0]}..{indices[-1]}" if len(indices) > 3 else ",".join(map(str, indices))
