@@ -62,7 +62,13 @@ TINY_QWEN3_MOE = dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128, vocab_size=2048,
     max_position_embeddings=4096,
 )
-SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY_QWEN3_MOE}
+# DeepSeek-V4-Flash's routed-expert shape (hidden 4096, 256 experts top-6 of intermediate 2048, 43
+# layers) on the Qwen3-MoE architecture: what the CPU experts see, until the V4 model is here.
+V4_FLASH_EXPERTS = dict(
+    QWEN3_30B_A3B, hidden_size=4096, num_hidden_layers=43, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, num_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048, vocab_size=129280,
+)
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "v4-flash-experts": V4_FLASH_EXPERTS, "tiny": TINY_QWEN3_MOE}
 
 
 def hbm_bandwidth(nbytes: int = 4 << 30, iters: int = 20) -> float:
@@ -161,7 +167,8 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, 
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for b in range(batch):
-        engine.add_request(f"d{seed}-{b}", torch.randint(0, 150000, (prompt_len,), generator=g).tolist(), params)
+        engine.add_request(f"d{seed}-{b}", torch.randint(0, min(150000, engine.vocab_size), (prompt_len,),
+                                                           generator=g).tolist(), params)
     graph_before = engine.metrics.model_steps.labels(model_name=engine.model_name, mode="cuda_graph")._value.get()
     first_tokens, t_first, steps = 0, None, 0
     while engine.has_unfinished:
@@ -169,9 +176,9 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, 
         steps += 1
         first_tokens += sum(1 for o in outs if o.num_output_tokens == 1)
         if t_first is None and first_tokens == batch:
-            torch.cuda.synchronize()
+            sync(engine.device)
             t_first = time.perf_counter()
-    torch.cuda.synchronize()
+    sync(engine.device)
     t_end = time.perf_counter()
     graph_steps = engine.metrics.model_steps.labels(model_name=engine.model_name, mode="cuda_graph")._value.get() - graph_before
     decoded = batch * (new_tokens - 1)
@@ -184,7 +191,8 @@ def run_prefill(engine: LLMEngine, length: int, seed: int) -> dict:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     best = None
     for rep in range(3):  # the first repetition compiles kernels for the shape
-        engine.add_request(f"p{seed}-{rep}", torch.randint(0, 150000, (length,), generator=g).tolist(), params)
+        engine.add_request(f"p{seed}-{rep}", torch.randint(0, min(150000, engine.vocab_size), (length,),
+                                                           generator=g).tolist(), params)
         torch.cuda.synchronize()
         t = time.perf_counter()
         while engine.has_unfinished:

@@ -148,8 +148,14 @@ class LLMEngine:
     def _set_cpu_threads(self) -> None:
         threads = self.runner_config.cpu_threads
         assert threads is not None, "RunnerConfig.resolve() fills cpu_threads"
-        torch.set_num_threads(threads)  # process-wide: the CPU forward and CPU MoE experts use these
-        logger.info("CPU threads: %d for torch (of %d usable cores; --cpu-threads)", threads, usable_cpus())
+        why = "--cpu-threads"
+        if self.device.type == "cuda" and self.config.runner.cpu_threads is None and hasattr(self.model, "cpu_experts"):
+            # The CPU expert kernel's pool owns the cores; torch's own CPU work here is small, and
+            # spinning worker threads would take cores from the experts (on the H200 box kernel
+            # calls ran 4-8x slower right after torch's 15 threads had run).
+            threads, why = 1, "the CPU expert kernel has the other cores; --cpu-threads to change"
+        torch.set_num_threads(threads)  # process-wide: the CPU forward uses these
+        logger.info("CPU threads: %d for torch (of %d usable cores; %s)", threads, usable_cpus(), why)
 
     def _install_kernels(self, model: CausalLM | None = None, log: bool = True) -> None:
         """Put the configured attention backend and MoE executor into the layers of `model` (the
@@ -177,7 +183,8 @@ class LLMEngine:
             if self.device.type == "cuda":
                 logger.info("CUDA graphs off (--enforce-eager): every step runs eagerly")
             return
-        has_moe = bool(getattr(self.model, "moe_blocks", dict)())
+        # Offloaded layers' CPU experts are host nodes (capturable); the GPU executor serves the rest.
+        has_moe = any(not b.offloaded for b in getattr(self.model, "moe_blocks", dict)().values())
         blockers = []
         if rc.attention_backend not in CAPTURABLE_ATTENTION:
             blockers.append(f"attention backend {rc.attention_backend!r}")

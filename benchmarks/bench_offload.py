@@ -1,0 +1,224 @@
+"""End-to-end decode with routed experts in RAM on the CPU, on random weights of a real shape.
+
+In one run: the machine's RAM read / GPU / PCIe constants (`tandem plan --measure`'s), the
+placement `tandem serve` would choose for a GPU budget (default 8 GiB), then per batch size:
+  * decode tok/s of the engine (CPU experts as host nodes inside the captured decode graphs),
+  * the CPU kernel alone on one offloaded layer at that batch (random routing, cold weights),
+  * the GPU side alone: the same engine with the offloaded layers' experts replaced by a zero
+    executor (same graphs, no CPU work),
+  * the prediction  t_gpu_side + n_offloaded_layers x t_kernel  and how far the real step is off
+    (the copies, host-node latency and waits that overlap does not hide),
+  * the RAM roofline: routed-expert bytes a step reads (distinct experts x bytes per expert x
+    offloaded layers) / measured read bandwidth, and the share of it the step reaches.
+
+    python benchmarks/bench_offload.py --out offload.json                   # Qwen3-30B-A3B, 8 GiB GPU
+    python benchmarks/bench_offload.py --shape tiny --device cpu --batches 1,2   # CPU smoke run
+
+Random weights route tokens about uniformly, so a batch touches about as many distinct experts as
+uniform routing predicts; real checkpoints route less evenly (fewer distinct experts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import SHAPES, init_random_, model_dir, run_decode  # noqa: E402
+
+from tandem.config import CacheConfig, EngineConfig, ModelConfig, OffloadConfig, RunnerConfig, SchedulerConfig  # noqa: E402
+from tandem.engine.engine import LLMEngine  # noqa: E402
+from tandem.models.loader import build_meta_model  # noqa: E402
+from tandem.models.registry import get_model_class  # noqa: E402
+from tandem.offload import cpu_experts  # noqa: E402
+from tandem.offload.cpu_executor import OffloadedExperts  # noqa: E402
+from tandem.offload.placement import expert_bytes  # noqa: E402
+from tandem.offload.planner import plan_memory  # noqa: E402
+
+GB = 1e9
+DISTINCT_SETS = 8  # random experts generated per layer shape, cycled over the experts (packing is per expert)
+
+
+def build_offloaded_model(cfg: dict, path: Path, placement, device: str, dtype: torch.dtype, threads: int | None,
+                          staging_rows: int):
+    """The model on `device` with random weights; the placement's experts in RAM, random too."""
+    model = build_meta_model(get_model_class(cfg["model_type"]), cfg, dtype, path / "config.json")
+    sink = OffloadedExperts(placement, threads, staging_rows=staging_rows)
+    sink.prepare(model)
+    model = model.to_empty(device=device)
+    for module in model.modules():
+        if callable(getattr(module, "reset_buffers", None)):
+            module.reset_buffers()
+    init_random_(model)
+    model.eval()
+    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    g = torch.Generator().manual_seed(1)
+    mxfp4 = placement.cpu_format == "mxfp4"
+    sets = [random_mxfp4(h, i, g) if mxfp4 else
+            tuple((torch.randn(*shape, generator=g) * 0.02).to(dtype) for shape in ((i, h), (i, h), (h, i)))
+            for _ in range(DISTINCT_SETS)]
+    start = time.perf_counter()
+    first = None
+    for n, (layer, packed) in enumerate(sink.layers.items()):
+        if first is None:  # pack one layer; the others get copies of its bytes (packing is ~3 ms an expert)
+            for e in range(packed.num_experts):
+                if mxfp4:
+                    packed.set_expert_mxfp4(e, *sets[e % DISTINCT_SETS])
+                else:
+                    packed.set_expert(e, *sets[e % DISTINCT_SETS])
+            first = packed
+        else:
+            packed.data.copy_(first.data)
+        print(f"  filled layer {layer} ({n + 1}/{len(sink.layers)}, {time.perf_counter() - start:.0f} s)",
+              end="\r", flush=True)
+    print()
+    sink.install(model, torch.device(device), dtype)
+    return model, sink
+
+
+def random_mxfp4(h: int, i: int, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(codes, scales) of gate, up [I, H] and down [H, I]: random FP4 codes, E8M0 scales near 2^-7
+    (weights of about 0.004..0.05, as a trained checkpoint's)."""
+    def one(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+        scales = torch.randint(118, 122, (rows, cols // 32), dtype=torch.uint8, generator=g)
+        return codes, scales
+
+    return [one(i, h), one(i, h), one(h, i)]
+
+
+def kernel_ms(sink: OffloadedExperts, batch: int, top_k: int, dtype: torch.dtype, iters: int = 30) -> dict:
+    """The CPU kernel alone: median ms of one layer call at `batch` tokens, cycling over the
+    offloaded layers so weights come from RAM, not cache; and the distinct experts per call."""
+    layers = list(sink.layers.values())
+    e, h = layers[0].num_experts, layers[0].hidden_size
+    g = torch.Generator().manual_seed(batch)
+    x = torch.randn(batch, h, generator=g).to(dtype)
+    times, distinct = [], []
+    for n in range(iters + len(layers)):
+        ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(batch)])
+        w = torch.softmax(torch.randn(batch, top_k, generator=g), -1).to(dtype)
+        layer = layers[n % len(layers)]
+        t = time.perf_counter()
+        layer(x, ids, w)
+        if n >= len(layers):  # the first pass over the layers warms the pool
+            times.append(time.perf_counter() - t)
+            distinct.append(len(set(ids.flatten().tolist())))
+    return {"kernel_ms": statistics.median(times) * 1e3, "distinct_experts": statistics.mean(distinct)}
+
+
+class ZeroExperts:
+    """An executor that costs nothing: the GPU side of an offloaded layer alone."""
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(hidden)
+
+
+def make_engine(path: Path, model, device: str, dtype: torch.dtype, kv_bytes: int, max_num_seqs: int,
+                max_len: int) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(str(path), dtype, device, max_model_len=max_len),
+        cache=CacheConfig(kv_cache_memory=kv_bytes, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(512, max_num_seqs)),
+        runner=RunnerConfig(),
+    )
+    return LLMEngine(config, model=model)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--gpu-budget", default="8GiB", help="GPU memory the placement plans for")
+    ap.add_argument("--fmt", default="auto", help="--cpu-moe-dtype")
+    ap.add_argument("--threads", type=int, default=None, help="--cpu-moe-threads")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--cpu-moe", action="store_true", help="every MoE layer's experts in RAM (default: the "
+                                                             "placement `tandem serve` picks for --gpu-budget)")
+    ap.add_argument("--num-experts-kept", type=int, default=None,
+                    help="experts per layer (fewer than the shape's, to fit RAM; bytes per token do not change)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from tandem.config import parse_size
+
+    cfg = dict(SHAPES[args.shape])
+    if args.num_experts_kept:
+        cfg["num_experts"] = args.num_experts_kept
+    device, dtype = args.device, (torch.bfloat16 if args.device == "cuda" else torch.float32)
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict = {"shape": args.shape, "gpu_budget": args.gpu_budget}
+    if device == "cuda":
+        from tandem.offload.measure import measure_machine
+
+        machine = measure_machine("cuda", threads=args.threads)
+        results["machine"] = machine.__dict__
+        print("measured:", machine.describe(), flush=True)
+        ram = machine.ram_read
+    else:
+        ram = cpu_experts.measure_read_bandwidth(256 << 20, threads=args.threads)
+        results["machine"] = {"ram_read": ram}
+    max_len = args.prompt + args.new_tokens + 64
+    with model_dir(cfg) as path:
+        offload = OffloadConfig(cpu_moe=device == "cpu" or args.cpu_moe, cpu_moe_dtype=args.fmt, cpu_moe_threads=args.threads)
+        plan = plan_memory(path, dtype, device, max_model_len=max_len, max_num_seqs=max(batches),
+                           device_bytes=parse_size(args.gpu_budget) if device == "cuda" else None, offload=offload)
+        print(plan.render(), flush=True)
+        placement = plan.placement
+        if not placement.offloaded or plan.offload_problems:
+            raise SystemExit(f"nothing to measure: {placement.reason} {plan.offload_problems}")
+        kv_bytes = max(plan.kv_budget, 64 << 20)
+        model, sink = build_offloaded_model(cfg, path, placement, device, dtype, args.threads,
+                                            staging_rows=max(512, max(batches)))
+        per_expert = expert_bytes(placement.cpu_format, cfg["hidden_size"], cfg["moe_intermediate_size"])
+        results.update(fmt=placement.cpu_format, cpu_layers=list(placement.cpu_layers), kernel_isa=cpu_experts.kernel_isa(),
+                       threads=cpu_experts.num_threads(), bytes_per_expert=per_expert, placement=placement.reason)
+        engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
+        rows = []
+        for b in batches:
+            run_decode(engine, b, args.prompt, 8, seed=100 + b)  # warm-up
+            r = run_decode(engine, b, args.prompt, args.new_tokens, seed=200 + b)
+            k = kernel_ms(sink, b, cfg["num_experts_per_tok"], dtype)
+            step_ms = 1e3 * b / r["decode_tok_s"]
+            cpu_bytes = k["distinct_experts"] * per_expert * len(sink.layers)
+            rows.append({**r, **k, "step_ms": step_ms, "expert_bytes_per_step": cpu_bytes,
+                         "kernel_gbps": k["distinct_experts"] * per_expert / k["kernel_ms"] / 1e6,
+                         "roofline_ms": 1e3 * cpu_bytes / ram, "roofline_share": 1e3 * cpu_bytes / ram / step_ms})
+            print(f"batch {b}: {r['decode_tok_s']:.2f} tok/s ({step_ms:.1f} ms a step, {r['graph_steps']} graph steps), "
+                  f"kernel {k['kernel_ms']:.2f} ms a layer ({rows[-1]['kernel_gbps']:.1f} GB/s), "
+                  f"RAM roofline share {rows[-1]['roofline_share']:.0%}", flush=True)
+        del engine
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        for i in sink.layers:  # the GPU side alone, in the same graphs
+            model.moe_blocks()[i].set_executor(ZeroExperts())
+        engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
+        for row in rows:
+            b = row["batch"]
+            run_decode(engine, b, args.prompt, 8, seed=300 + b)
+            r = run_decode(engine, b, args.prompt, args.new_tokens, seed=400 + b)
+            row["gpu_side_ms"] = 1e3 * b / r["decode_tok_s"]
+            row["predicted_ms"] = row["gpu_side_ms"] + len(sink.layers) * row["kernel_ms"]
+            row["step_over_predicted"] = row["step_ms"] / row["predicted_ms"]
+            print(f"batch {b}: GPU side {row['gpu_side_ms']:.2f} ms, predicted {row['predicted_ms']:.1f} ms, "
+                  f"measured {row['step_ms']:.1f} ms ({row['step_over_predicted']:.3f}x)", flush=True)
+        results["decode"] = rows
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
