@@ -290,8 +290,9 @@ def main() -> None:
     torch.set_num_threads(ce.num_threads())
 
     bandwidth = ce.measure_read_bandwidth(int(args.bw_gib * GiB), repeats=5)
+    switches = {k: v for k, v in os.environ.items() if k.startswith("TANDEM_CPU_")}  # debugging switches in effect
     print(f"{cpu_name()}: kernel {ce.kernel_isa()}, {ce.num_threads()} threads, "
-          f"RAM read {bandwidth / 1e9:.1f} GB/s")
+          f"RAM read {bandwidth / 1e9:.1f} GB/s; switches {switches or 'none'}")
     rows: list[dict] = []
     for shape in shapes:
         kept = min(args.num_experts_kept or shape.experts, shape.experts)
@@ -304,7 +305,7 @@ def main() -> None:
     print_table(rows, bandwidth)
     if args.out:
         meta = {"isa": ce.kernel_isa(), "threads": ce.num_threads(), "ram_read_gbps": bandwidth / 1e9,
-                "cpu": cpu_name(), "torch": torch.__version__}
+                "cpu": cpu_name(), "torch": torch.__version__, "switches": switches}
         args.out.write_text(json.dumps({"machine": meta, "rows": rows}, indent=2))
         print(f"wrote {args.out}")
 

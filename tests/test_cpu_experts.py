@@ -220,6 +220,30 @@ def test_thread_count_does_not_change_results(threads, fmt):
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "mxfp4"])
+def test_prefetch_switches_do_not_change_results(fmt):
+    layer = ce.CpuExpertLayer.from_dense(*_weights(6, 96, 64), fmt)
+    x = torch.randn(9, 96).bfloat16()
+    ids, w = _routing(9, 4, 6, seed=3)
+    want = layer(x, ids, w)
+    lib = ce._lib()
+    try:
+        for l1, l2 in ((0, 0), (64, 0), (0, 8192), (4096, 16384)):
+            lib.tandem_set_prefetch(l1, l2)
+            assert torch.equal(layer(x, ids, w), want), (l1, l2)
+    finally:
+        lib.tandem_set_prefetch(1024, 0)  # the kernel's defaults (moe.h Tuning)
+
+
+def test_prefetch_env_values(monkeypatch):
+    for raw, want in (("", -1), ("0", 0), ("2048", 2048), ("2k", 2048)):
+        monkeypatch.setenv("TANDEM_CPU_PREFETCH_L1", raw)
+        assert ce._env_bytes("TANDEM_CPU_PREFETCH_L1") == want
+    monkeypatch.setenv("TANDEM_CPU_PREFETCH_L1", "far")
+    with pytest.raises(ValueError, match="TANDEM_CPU_PREFETCH_L1"):
+        ce._env_bytes("TANDEM_CPU_PREFETCH_L1")
+
+
 def test_bad_inputs_raise_value_errors():
     layer = ce.CpuExpertLayer.from_dense(*_weights(4, 32, 32), "fp32")
     x, ids, w = torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)

@@ -13,8 +13,12 @@ intermediate fp32 — except on ISA "avx512bf16" with a bf16 hidden state and bf
 weights, where vdpbf16ps takes the bf16 activations as they are and the intermediate is rounded to
 bf16 (as the bf16 model on the GPU rounds it); `set_isa("avx512")` keeps that path fp32.
 
-The kernel library is compiled on first use (tandem/offload/cpu_build.py). `TANDEM_CPU_ISA`
-(scalar | avx2 | avx512 | avx512bf16) forces an ISA for debugging.
+The kernel library is compiled on first use (tandem/offload/cpu_build.py). Debugging switches,
+read once when it loads (results do not depend on the prefetch ones):
+  TANDEM_CPU_ISA          scalar | avx2 | avx512 | avx512bf16: force an ISA;
+  TANDEM_CPU_PREFETCH_L1  bytes ahead of the weight stream the AVX-512 kernels prefetch into L1
+                          (default 1024; 0 off);
+  TANDEM_CPU_PREFETCH_L2  bytes ahead they prefetch into L2 only (default 0: off).
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def _lib() -> ctypes.CDLL:
         ("tandem_expert_bytes", [i, i, i], i64), ("tandem_pack_expert", [i, i, i] + [p] * 7, None),
         ("tandem_unpack_expert", [i, i, i, p, p, p, p], None), ("tandem_moe", [ctypes.POINTER(_Call)], i),
         ("tandem_host_fn", [p], None), ("tandem_read_seconds", [p, i64, i, i], ctypes.c_double),
-        ("tandem_advise_huge_pages", [p, i64], i),
+        ("tandem_advise_huge_pages", [p, i64], i), ("tandem_set_prefetch", [i64, i64], None),
     ]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -79,7 +83,22 @@ def _lib() -> ctypes.CDLL:
     forced = os.environ.get("TANDEM_CPU_ISA")  # debugging switch
     if forced:
         _set_isa(lib, forced, source="TANDEM_CPU_ISA")
+    lib.tandem_set_prefetch(_env_bytes("TANDEM_CPU_PREFETCH_L1"), _env_bytes("TANDEM_CPU_PREFETCH_L2"))
     return lib
+
+
+def _env_bytes(name: str) -> int:
+    """A debugging switch in bytes (plain or with a k suffix: 2048, 2k); -1 (the kernel's default) when unset."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return -1
+    try:
+        value = int(raw[:-1]) * 1024 if raw.endswith("k") else int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: want a byte count >= 0 (e.g. 1024, 2k; 0 turns it off)")
+    return value
 
 
 def _supported(lib: ctypes.CDLL) -> tuple[str, ...]:

@@ -16,10 +16,12 @@
 //   fp32  [K][16] float                                            64 B per input index
 //   bf16  [K/2][16] uint32: low half input 2i, high half 2i+1      the pair vdpbf16ps reads
 //   int8  [16] float row scales (64 B), then [K][16] int8
-//   int4  per block: [16] bf16 scales (32 B), then [16 pairs][16 rows] bytes: low nibble input
-//         2i, high nibble 2i+1, two's complement -8..7
-//   mxfp4 per block: [16] E8M0 scales (16 B), then [16 pairs][16 rows] bytes: low nibble input
-//         2i, high nibble 2i+1 (the checkpoint's own byte, only transposed), E2M1 codes
+//   int4  per block: [16] bf16 scales (32 B), then 8 quads of 32 B, two's complement -8..7
+//   mxfp4 per block: [16] E8M0 scales (16 B), then 8 quads of 32 B, E2M1 codes
+//         quad j (inputs 4j..4j+3) = [16 rows][2] bytes: byte h (0, 1) of row r holds input
+//         4j+h in its low nibble and 4j+2+h in its high one, so zero-extending the 32 bytes to
+//         words gives row r the word pair (4j, 4j+1) from the low nibbles and (4j+2, 4j+3) from
+//         the high ones: two vdpbf16ps weight vectors after one table lookup each (moe_avx512.cpp)
 // The expert's byte size is rounded up to 64 so every expert starts on a cache line.
 #pragma once
 
@@ -52,6 +54,10 @@ constexpr int64_t tile_bytes(int fmt, int64_t nb) {
 // Byte offsets inside an int4 / mxfp4 block: the scales, then the codes.
 constexpr int64_t block_scale_bytes(int fmt) { return fmt == FMT_INT4 ? kRows * 2 : kRows; }
 constexpr int64_t block_bytes(int fmt) { return block_scale_bytes(fmt) + kBlock / 2 * kRows; }
+// Where the code of (row r, input i in 0..31) of an int4 / mxfp4 block sits, from the block's
+// first code byte: byte nibble_byte, its high half when nibble_high.
+constexpr int64_t nibble_byte(int r, int i) { return (i / 4) * 2 * kRows + 2 * r + i % 2; }
+constexpr bool nibble_high(int i) { return i % 4 >= 2; }
 
 // The geometry of one layer's packed expert.
 struct Geometry {
@@ -138,6 +144,14 @@ struct ExpertSources {
 void pack_tiles(int fmt, int hidden, int inter, const ExpertSources& src, int64_t t0, int64_t t1, uint8_t* expert);
 // Decodes a packed expert: fp32 gate / up [I][H], down [H][I].
 void unpack_expert(int fmt, int hidden, int inter, const uint8_t* expert, float* gate, float* up, float* down);
+
+// Tuning knobs of the tile kernels, set through tandem_set_prefetch (cpu_experts.py reads them
+// from debugging environment variables) and read by the kernels at each tile call.
+struct Tuning {
+    int64_t prefetch_l1 = 1024;  // bytes ahead of the weight stream prefetched to L1 (0: none)
+    int64_t prefetch_l2 = 0;     // bytes ahead prefetched to L2 only (0: none)
+};
+extern Tuning g_tuning;
 
 // E2M1 code -> value, and the two's complement int4 nibble -> value.
 extern const float kFp4Values[16];

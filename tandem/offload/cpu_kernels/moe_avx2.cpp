@@ -104,10 +104,12 @@ struct Int8 {
     }
 };
 
-// Bytes of 8 rows (one input pair each) -> 8 dwords.
-inline __m256i bytes8(const uint8_t* p) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+// The two code bytes of 8 rows of a quad -> 8 dwords; the nibble of input 4j + m sits at bit
+// kNibbleBit[m].
+inline __m256i words8(const uint8_t* p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+constexpr int kNibbleBit[4] = {0, 8, 4, 12};
 
 struct Int4Decode {
     static constexpr int fmt = FMT_INT4;
@@ -115,9 +117,9 @@ struct Int4Decode {
         __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
-    void codes(__m256i d, __m256& even, __m256& odd) const {  // two's complement nibbles
-        even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(d, 28), 28));
-        odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(d, 24), 28));
+    template <int Bit>
+    __m256 code(__m256i d) const {  // two's complement nibble
+        return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(d, 28 - Bit), 28));
     }
 };
 
@@ -126,14 +128,13 @@ struct Fp4Decode {
     __m256 magnitudes = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
     __m256i sign = _mm256_set1_epi32(int(0x80000000u));
     __m256 scale(const uint8_t* blk, int half) const {  // E8M0: 2^(s-127), s = 0 -> 2^-127
-        __m256i e = _mm256_slli_epi32(bytes8(blk + 8 * half), 23);
+        __m256i e = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * half))), 23);
         return _mm256_max_ps(_mm256_castsi256_ps(e), _mm256_set1_ps(0x1p-127f));
     }
-    void codes(__m256i d, __m256& even, __m256& odd) const {  // vpermps reads bits 0-2: the magnitude
-        __m256 se = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28), sign));
-        __m256 so = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 24), sign));
-        even = _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, d), se);
-        odd = _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, _mm256_srli_epi32(d, 4)), so);
+    template <int Bit>
+    __m256 code(__m256i d) const {  // vpermps reads bits 0-2: the magnitude; bit 3 is the sign
+        __m256 s = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 28 - Bit), sign));
+        return _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, _mm256_srli_epi32(d, Bit)), s);
     }
 };
 
@@ -141,23 +142,27 @@ template <class Decode>
 struct Nibbles {
     template <int TB>
     struct K {
+        template <int M>
+        static void fma(const Decode& dec, __m256i d, const float* x, int64_t ld, __m256 (&part)[TB]) {
+            const __m256 w = dec.template code<kNibbleBit[M]>(d);
+#pragma GCC unroll 16
+            for (int t = 0; t < TB; ++t) part[t] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + M * ld + t), part[t]);
+        }
         static void run(const uint8_t* tile, int64_t nb, const float* x, int64_t ld, float* out) {
             const Decode dec;
             __m256 acc[1][2][TB];
             zero(&acc[0][0][0], 2 * TB);
             for (int64_t b = 0; b < nb; ++b, tile += block_bytes(Decode::fmt)) {
                 const uint8_t* codes = tile + block_scale_bytes(Decode::fmt);
-                __m256 part[2][2][TB];  // the block's partial sums: [even / odd][rows 0-7 / 8-15]
+                __m256 part[2][2][TB];  // the block's partial sums: [inputs 4j, 4j+2 / 4j+1, 4j+3][rows 0-7 / 8-15]
                 zero(&part[0][0][0], 4 * TB);
-                for (int i = 0; i < kBlock / 2; ++i, codes += kRows, x += 2 * ld) {
+                for (int j = 0; j < kBlock / 4; ++j, codes += 2 * kRows, x += 4 * ld) {
                     for (int half = 0; half < 2; ++half) {
-                        __m256 even, odd;
-                        dec.codes(bytes8(codes + 8 * half), even, odd);
-#pragma GCC unroll 16
-                        for (int t = 0; t < TB; ++t) {
-                            part[0][half][t] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + t), part[0][half][t]);
-                            part[1][half][t] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + ld + t), part[1][half][t]);
-                        }
+                        const __m256i d = words8(codes + 16 * half);
+                        fma<0>(dec, d, x, ld, part[0][half]);
+                        fma<1>(dec, d, x, ld, part[1][half]);
+                        fma<2>(dec, d, x, ld, part[0][half]);
+                        fma<3>(dec, d, x, ld, part[1][half]);
                     }
                 }
                 for (int half = 0; half < 2; ++half) {

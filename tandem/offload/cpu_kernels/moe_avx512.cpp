@@ -2,15 +2,15 @@
 // A tile's 16 rows are one 16-lane vector, multiplied by each token's broadcast activation.
 //
 // fp32 activations (every format; exact): weights become fp32 in registers. bf16: a shift and a
-// mask of the (2i, 2i+1) pair; int8: vpmovsxbd + vcvtdq2ps; int4 and mxfp4: vpmovzxbd of one
-// byte per row, then vpermps over a 16-entry fp32 table (it reads the low 4 bits, so the low
-// nibble directly and the high one after a shift). The int4 / mxfp4 block scale multiplies the
-// block's partial sum once per token, not each weight.
+// mask of the (2i, 2i+1) pair; int8: vpmovsxbd + vcvtdq2ps; int4 and mxfp4: vpmovzxwd of a
+// quad's two bytes per row, then vpermps over a 16-entry fp32 table (it reads the low 4 bits:
+// each of the four nibbles after a shift). The int4 / mxfp4 block scale multiplies the block's
+// partial sum once per token, not each weight.
 //
 // bf16 activations (ISA avx512bf16, for bf16 / int4 / mxfp4 weights when the hidden state is
 // bf16): vdpbf16ps multiplies a weight pair by the token's activation pair in one instruction.
-// The nibbles become a bf16 pair through vpermw over a 16-entry bf16 table (every E2M1 and int4
-// value is exact in bf16). Products are exact, sums fp32; the SwiGLU intermediate is rounded to
+// The nibbles become bf16 pairs through vpermw over a bf16 table (every E2M1 and int4 value is
+// exact in bf16). Products are exact, sums fp32; the SwiGLU intermediate is rounded to
 // bf16 for the down projection (the bf16 GPU model rounds it too). These functions carry
 // target("avx512bf16") so that nothing else in this file may use the instruction.
 //
@@ -23,10 +23,25 @@
 namespace tandem {
 namespace {
 
-// Prefetch distance in bytes ahead of the weight stream (the hardware prefetcher alone lags
-// when 16 threads each stream a different expert).
-constexpr int kPrefetch = 1024;
-inline void prefetch(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
+// Software prefetch of the weight stream, g_tuning's distances ahead of it (the hardware
+// prefetcher alone lags when 16 threads each stream a different expert; it also stops at every
+// 4 KiB page). lines<N>(p) touches every cache line of [p, p + 64 N) at both distances.
+struct Prefetch {
+    int64_t l1 = g_tuning.prefetch_l1, l2 = g_tuning.prefetch_l2;  // 0: off
+    template <int N>
+    void lines(const uint8_t* p) const {
+        const char* c = reinterpret_cast<const char*>(p);
+        for (int i = 0; i < N; ++i) {
+            if (l1) _mm_prefetch(c + l1 + 64 * i, _MM_HINT_T0);
+            if (l2) _mm_prefetch(c + l2 + 64 * i, _MM_HINT_T1);
+        }
+    }
+};
+// An int4 / mxfp4 block is not line-aligned (272 / 288 bytes, starting at a multiple of 16 / 32):
+// prefetches at 0, 64, .. 256 from its start reach every line it touches.
+constexpr int kBlockLines = 5;
+static_assert(block_bytes(FMT_MXFP4) <= 64 * (kBlockLines - 1) + 16 && block_bytes(FMT_INT4) <= 64 * (kBlockLines - 1) + 32,
+              "a block must end within the line of its last prefetch");
 
 inline void zero(__m512* a, int n) {
     for (int i = 0; i < n; ++i) a[i] = _mm512_setzero_ps();
@@ -51,8 +66,9 @@ struct F32 {
     static void run(const uint8_t* tile, int64_t nb, const float* x, int64_t ld, float* out) {
         __m512 acc[U][TB];
         zero(&acc[0][0], U * TB);
+        const Prefetch pf;
         for (int64_t k = 0; k < nb * kBlock; k += U, tile += 64 * U, x += U * ld) {
-            prefetch(tile);
+            pf.lines<U>(tile);
 #pragma GCC unroll 4
             for (int u = 0; u < U; ++u) {
                 __m512 w = _mm512_loadu_ps(reinterpret_cast<const float*>(tile + 64 * u));
@@ -72,8 +88,9 @@ struct Bf16 {
         const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
         __m512 acc[2 * U][TB];
         zero(&acc[0][0], 2 * U * TB);
+        const Prefetch pf;
         for (int64_t i = 0; i < nb * kBlock / 2; i += U, tile += 64 * U, x += 2 * U * ld) {
-            prefetch(tile);
+            pf.lines<U>(tile);
 #pragma GCC unroll 4
             for (int u = 0; u < U; ++u) {
                 __m512i v = _mm512_loadu_si512(tile + 64 * u);
@@ -99,8 +116,9 @@ struct Int8 {
         const uint8_t* codes = tile + 64;
         __m512 acc[U][TB];
         zero(&acc[0][0], U * TB);
+        const Prefetch pf;
         for (int64_t k = 0; k < nb * kBlock; k += U, codes += kRows * U, x += U * ld) {
-            if (k % 4 == 0) prefetch(codes);
+            if (k % 4 == 0) pf.lines<1>(codes);
 #pragma GCC unroll 4
             for (int u = 0; u < U; ++u) {
                 __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + kRows * u));
@@ -155,32 +173,36 @@ inline void add_block(__m512 (&acc)[TB], const __m512 (&part)[C][TB], __m512 sca
     }
 }
 
+// The two code bytes of each row of a quad (32 bytes) -> 16 dwords; the code of input 4j + m
+// sits at bit kNibbleBit[m] (vpermps reads the low 4 bits).
+inline __m512i words16(const uint8_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+constexpr int kNibbleBit[4] = {0, 8, 4, 12};
+
 template <int Fmt>
 struct Nibbles {
     template <int TB>
     struct K {
-        static constexpr int U = chains(TB, 2);
+        static constexpr int C = TB >= 4 ? 2 : 4;  // chains per token: input 4j + m goes to m % C
         static void run(const uint8_t* tile, int64_t nb, const float* x, int64_t ld, float* out) {
             const __m512 table = _mm512_load_ps(Fmt == FMT_INT4 ? kInt4Table : kFp4Table);
+            const Prefetch pf;
             __m512 acc[TB];
             zero(acc, TB);
             for (int64_t b = 0; b < nb; ++b, tile += block_bytes(Fmt)) {
+                pf.lines<kBlockLines>(tile);
                 const uint8_t* codes = tile + block_scale_bytes(Fmt);
-                __m512 part[2 * U][TB];  // the block's partial sums: even / odd inputs, U chains
-                zero(&part[0][0], 2 * U * TB);
-                for (int i = 0; i < kBlock / 2; i += U, codes += kRows * U, x += 2 * U * ld) {
-                    if (i % 4 == 0) prefetch(codes);
+                __m512 part[C][TB];  // the block's partial sums
+                zero(&part[0][0], C * TB);
+                for (int j = 0; j < kBlock / 4; ++j, codes += 2 * kRows, x += 4 * ld) {
+                    const __m512i d = words16(codes);
 #pragma GCC unroll 4
-                    for (int u = 0; u < U; ++u) {
-                        __m512i d = bytes16(codes + kRows * u);
-                        __m512 even = _mm512_permutexvar_ps(d, table);
-                        __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
-                        const float* xu = x + 2 * u * ld;
+                    for (int m = 0; m < 4; ++m) {
+                        const __m512 w = _mm512_permutexvar_ps(_mm512_srli_epi32(d, kNibbleBit[m]), table);
 #pragma GCC unroll 16
-                        for (int t = 0; t < TB; ++t) {
-                            part[2 * u][t] = _mm512_fmadd_ps(even, _mm512_set1_ps(xu[t]), part[2 * u][t]);
-                            part[2 * u + 1][t] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xu[ld + t]), part[2 * u + 1][t]);
-                        }
+                        for (int t = 0; t < TB; ++t)
+                            part[m % C][t] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[m * ld + t]), part[m % C][t]);
                     }
                 }
                 add_block(acc, part, block_scale<Fmt>(tile));
@@ -200,8 +222,9 @@ struct Bf16Dot {
     TANDEM_BF16 static void run(const uint8_t* tile, int64_t nb, const uint32_t* x, int64_t ld, float* out) {
         __m512 acc[U][TB];
         zero(&acc[0][0], U * TB);
+        const Prefetch pf;
         for (int64_t i = 0; i < nb * kBlock / 2; i += U, tile += 64 * U, x += U * ld) {
-            prefetch(tile);
+            pf.lines<U>(tile);
 #pragma GCC unroll 4
             for (int u = 0; u < U; ++u) {
                 __m512bh w = (__m512bh)_mm512_loadu_si512(tile + 64 * u);
@@ -214,31 +237,39 @@ struct Bf16Dot {
     }
 };
 
+// A quad's 32 bytes zero-extended to words: row r's dword holds its two bytes, so the low
+// nibbles are the weight pair (4j, 4j+1) and, after a shift by 4, the high ones (4j+2, 4j+3);
+// vpermw reads 5 index bits, so the 32-entry table (the 16 values twice) takes the low nibble
+// with the high nibble's bit 0 above it as it is. Two lookups and one shift per 32 code bytes.
 template <int Fmt>
 struct NibblesDot {
     template <int TB>
     struct K {
-        static constexpr int U = chains(TB, 4);
+        static constexpr int U = TB >= 2 ? 1 : 2;  // quads per step: 2 U chains per token
         TANDEM_BF16 static void run(const uint8_t* tile, int64_t nb, const uint32_t* x, int64_t ld, float* out) {
             const __m512i table = _mm512_load_si512(Fmt == FMT_INT4 ? kInt4Bf16 : kFp4Bf16);
-            const __m512i nibble = _mm512_set1_epi32(0x000F000F);
+            const Prefetch pf;
             __m512 acc[TB];
             zero(acc, TB);
             for (int64_t b = 0; b < nb; ++b, tile += block_bytes(Fmt)) {
+                pf.lines<kBlockLines>(tile);
                 const uint8_t* codes = tile + block_scale_bytes(Fmt);
-                __m512 part[U][TB];
-                zero(&part[0][0], U * TB);
-                for (int i = 0; i < kBlock / 2; i += U, codes += kRows * U, x += U * ld) {
-                    if (i % 4 == 0) prefetch(codes);
-#pragma GCC unroll 4
+                __m512 part[2 * U][TB];
+                zero(&part[0][0], 2 * U * TB);
+                for (int j = 0; j < kBlock / 4; j += U, codes += 2 * kRows * U, x += 2 * U * ld) {
+#pragma GCC unroll 2
                     for (int u = 0; u < U; ++u) {
-                        __m512i d = bytes16(codes + kRows * u);
-                        // word 0 of each dword = low nibble, word 1 = high nibble: (d | d << 12) & 0x000F000F
-                        __m512i idx = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), nibble, 0xA8);
-                        __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, table);
+                        const __m512i z = _mm512_cvtepu8_epi16(
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 2 * kRows * u)));
+                        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(z, table);
+                        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(z, 4), table);
+                        const uint32_t* xu = x + 2 * u * ld;  // pairs 2j (low nibbles) and 2j + 1 (high)
 #pragma GCC unroll 16
-                        for (int t = 0; t < TB; ++t)
-                            part[u][t] = _mm512_dpbf16_ps(part[u][t], w, (__m512bh)_mm512_set1_epi32(int(x[u * ld + t])));
+                        for (int t = 0; t < TB; ++t) {
+                            part[2 * u][t] = _mm512_dpbf16_ps(part[2 * u][t], lo, (__m512bh)_mm512_set1_epi32(int(xu[t])));
+                            part[2 * u + 1][t] =
+                                _mm512_dpbf16_ps(part[2 * u + 1][t], hi, (__m512bh)_mm512_set1_epi32(int(xu[ld + t])));
+                        }
                     }
                 }
                 add_block(acc, part, block_scale<Fmt>(tile));

@@ -36,6 +36,9 @@
 #define TANDEM_API extern "C" __attribute__((visibility("default")))
 
 namespace tandem {
+
+Tuning g_tuning;
+
 namespace {
 
 constexpr int kChunk = 512;            // tokens per pass (bounds the gathered activations)
@@ -390,13 +393,33 @@ void phase0_gather(const Plan& p, int tid, int nthreads) {
     }
 }
 
+// A thread's weight stream jumps at each new expert, where the kernels' prefetch (which runs
+// ahead within a stream) has not reached: prefetch_start asks for the first prefetch_l1 bytes
+// of the next stretch (up to 4 KiB) before the jump, e.g. while this thread waits in a barrier.
+void prefetch_start(const uint8_t* p) {
+    const int64_t n = std::min<int64_t>(g_tuning.prefetch_l1, 4096);
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+const uint8_t* gate_up_tile(const Plan& p, int a, int64_t jt) {
+    return p.c->data + p.expert[a] * p.g.expert_bytes + jt * p.g.tile1;
+}
+const uint8_t* down_tile(const Plan& p, int a, int64_t ht) {
+    return p.c->data + p.expert[a] * p.g.expert_bytes + p.g.down_offset + ht * p.g.tile2;
+}
+// This thread's first phase-2 tile.
+const uint8_t* first_down_tile(const Plan& p, int tid, int nthreads) {
+    const int64_t h0 = p.g.tiles2 * tid / nthreads, h1 = p.g.tiles2 * (tid + 1) / nthreads;
+    return p.A > 0 && h1 > h0 ? down_tile(p, 0, h0) : nullptr;
+}
+
 void phase1_gate_up(const Plan& p, int tid) {
     float out[kTokensPerCall * kRows];
     int a = 0;
     for (int64_t tile = p.split[tid]; tile < p.split[tid + 1]; ++tile) {
         while (tile >= (a + 1) * p.g.tiles1) ++a;
         const int64_t jt = tile - a * p.g.tiles1, n = p.start[a + 1] - p.start[a];
-        const uint8_t* w = p.c->data + p.expert[a] * p.g.expert_bytes + jt * p.g.tile1;
+        const uint8_t* w = gate_up_tile(p, a, jt);
+        if (jt == p.g.tiles1 - 1 && tile + 1 < p.split[tid + 1]) prefetch_start(gate_up_tile(p, a + 1, 0));
         const uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows;
         uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
         for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
@@ -423,8 +446,9 @@ void phase2_down(const Plan& p, int tid, int nthreads) {
     for (int a = 0; a < p.A; ++a) {
         const int64_t n = p.start[a + 1] - p.start[a];
         const uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
-        const uint8_t* base = p.c->data + p.expert[a] * p.g.expert_bytes + p.g.down_offset;
-        for (int64_t ht = h0; ht < h1; ++ht)
+        const uint8_t* base = down_tile(p, a, 0);
+        for (int64_t ht = h0; ht < h1; ++ht) {
+            if (ht == h1 - 1 && a + 1 < p.A) prefetch_start(down_tile(p, a + 1, h0));
             for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
                 const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
                 p.fn(base + ht * p.g.tile2, p.g.nb_i, act + c0, n, cnt, out);
@@ -435,6 +459,7 @@ void phase2_down(const Plan& p, int tid, int nthreads) {
                     for (int r = 0; r < kRows; ++r) dst[r] += w * out[t * kRows + r];
                 }
             }
+        }
     }
     const int64_t H = p.g.hidden, end = h1 * kRows < H ? h1 * kRows : H;
     for (int64_t t = 0; t < p.T; ++t) {
@@ -449,9 +474,11 @@ void phase2_down(const Plan& p, int tid, int nthreads) {
 
 void moe_job(void* ctx, int tid, int nthreads) {
     const Plan& p = *static_cast<const Plan*>(ctx);
+    if (p.split[tid] < p.split[tid + 1]) prefetch_start(gate_up_tile(p, int(p.split[tid] / p.g.tiles1), p.split[tid] % p.g.tiles1));
     phase0_gather(p, tid, nthreads);
     state().pool.barrier();
     phase1_gate_up(p, tid);
+    if (const uint8_t* next = first_down_tile(p, tid, nthreads)) prefetch_start(next);
     state().pool.barrier();
     phase2_down(p, tid, nthreads);
 }
@@ -593,6 +620,14 @@ TANDEM_API void tandem_set_threads(int n) {
 }
 
 TANDEM_API int tandem_num_threads() { return state().pool.size(); }
+
+// Debugging knobs of the tile kernels (moe.h Tuning): prefetch distances in bytes, 0 = off,
+// negative = keep. Results do not depend on them.
+TANDEM_API void tandem_set_prefetch(int64_t l1_bytes, int64_t l2_bytes) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    if (l1_bytes >= 0) g_tuning.prefetch_l1 = l1_bytes;
+    if (l2_bytes >= 0) g_tuning.prefetch_l2 = l2_bytes;
+}
 
 TANDEM_API int64_t tandem_expert_bytes(int fmt, int hidden, int inter) { return Geometry(fmt, hidden, inter).expert_bytes; }
 

@@ -54,11 +54,10 @@ void decode_block(int fmt, const uint8_t* tile, int64_t b, float q[kRows][kBlock
         const uint8_t* blk = tile + b * block_bytes(fmt);
         const uint8_t* codes = blk + block_scale_bytes(fmt);
         const float* values = fmt == FMT_INT4 ? kInt4Values : kFp4Values;
-        for (int i = 0; i < kBlock / 2; ++i)
+        for (int i = 0; i < kBlock; ++i)
             for (int r = 0; r < kRows; ++r) {
-                uint8_t c = codes[i * kRows + r];
-                q[r][2 * i] = values[c & 15];
-                q[r][2 * i + 1] = values[c >> 4];
+                const uint8_t c = codes[nibble_byte(r, i)];
+                q[r][i] = values[nibble_high(i) ? c >> 4 : c & 15];
             }
         for (int r = 0; r < kRows; ++r) {
             if (fmt == FMT_INT4) {
@@ -116,19 +115,22 @@ void pack_tile(int fmt, const Source* src[kRows], const int64_t row[kRows], int6
         uint8_t* codes = dst + block_scale_bytes(fmt);
         for (int r = 0; r < kRows; ++r) {
             const int64_t cols = src[r] ? src[r]->cols : 0;  // int4: padded to 32 already
+            uint8_t nib[kBlock] = {};  // the block's 32 codes of row r, one per byte
             if (b * kBlock >= cols) {
                 std::memset(dst + r * scale_size, 0, scale_size);
-                for (int i = 0; i < kBlock / 2; ++i) codes[i * kRows + r] = 0;
-                continue;
+            } else {
+                std::memcpy(dst + r * scale_size, src[r]->aux + (row[r] * (cols / kBlock) + b) * scale_size, scale_size);
+                if (fmt == FMT_MXFP4) {  // the checkpoint's byte: input 2i low, 2i+1 high
+                    const uint8_t* w = src[r]->w + row[r] * (cols / 2) + b * kBlock / 2;
+                    for (int i = 0; i < kBlock; ++i) nib[i] = (i % 2 ? w[i / 2] >> 4 : w[i / 2]) & 15;
+                } else {  // int8 codes in -8..7
+                    const uint8_t* w = src[r]->w + row[r] * cols + b * kBlock;
+                    for (int i = 0; i < kBlock; ++i) nib[i] = w[i] & 15;
+                }
             }
-            std::memcpy(dst + r * scale_size, src[r]->aux + (row[r] * (cols / kBlock) + b) * scale_size, scale_size);
-            if (fmt == FMT_MXFP4) {  // the checkpoint's byte: already (2i low, 2i+1 high)
-                const uint8_t* w = src[r]->w + row[r] * (cols / 2) + b * kBlock / 2;
-                for (int i = 0; i < kBlock / 2; ++i) codes[i * kRows + r] = w[i];
-            } else {  // int8 codes in -8..7 -> two nibbles
-                const uint8_t* w = src[r]->w + row[r] * cols + b * kBlock;
-                for (int i = 0; i < kBlock / 2; ++i)
-                    codes[i * kRows + r] = uint8_t((w[2 * i] & 15) | (w[2 * i + 1] & 15) << 4);
+            for (int i = 0; i < kBlock; ++i) {
+                uint8_t& byte = codes[nibble_byte(r, i)];
+                byte = nibble_high(i) ? uint8_t((byte & 15) | nib[i] << 4) : nib[i];  // low half is written first
             }
         }
     }
