@@ -113,6 +113,16 @@ def init_random_(model: torch.nn.Module, seed: int = 0) -> None:
             p.normal_(0.0, 0.02)
 
 
+def materialize_random(model: torch.nn.Module, device: str) -> torch.nn.Module:
+    """A meta-device model on `device`, its buffers recomputed and its weights random, in eval mode."""
+    model = model.to_empty(device=device)
+    for module in model.modules():
+        if callable(getattr(module, "reset_buffers", None)):
+            module.reset_buffers()
+    init_random_(model)
+    return model.eval()
+
+
 def bench_transformers(cfg: dict, prompt_len: int, new_tokens: int) -> dict:
     """`transformers` generate, batch 1, same shape and dtype: decode tok/s excluding the prefill."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -147,12 +157,7 @@ def build_engine(cfg: dict, model_dir: Path, max_num_seqs: int, max_batched: int
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.device("meta"):
         model = get_model_class(cfg["model_type"])(cfg, dtype)
-    model = model.to_empty(device=device)
-    for module in model.modules():
-        if callable(getattr(module, "reset_buffers", None)):
-            module.reset_buffers()
-    init_random_(model)
-    model.eval()
+    model = materialize_random(model, device)
     config = EngineConfig(
         model=ModelConfig(str(model_dir), dtype, device, max_model_len=max_batched + 1024),
         cache=CacheConfig(kv_cache_memory=int(kv_gib * (1 << 30)), enable_prefix_caching=False),

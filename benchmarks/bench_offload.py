@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import SHAPES, init_random_, model_dir, run_decode  # noqa: E402
+from bench_gpu import SHAPES, materialize_random, model_dir, run_decode  # noqa: E402
 
 from tandem.config import CacheConfig, EngineConfig, ModelConfig, OffloadConfig, RunnerConfig, SchedulerConfig  # noqa: E402
 from tandem.engine.engine import LLMEngine  # noqa: E402
@@ -55,12 +55,7 @@ def build_offloaded_model(cfg: dict, path: Path, placement, device: str, dtype: 
     model = build_meta_model(get_model_class(cfg["model_type"]), cfg, dtype, path / "config.json")
     sink = OffloadedExperts(placement, threads, staging_rows=staging_rows)
     sink.prepare(model)
-    model = model.to_empty(device=device)
-    for module in model.modules():
-        if callable(getattr(module, "reset_buffers", None)):
-            module.reset_buffers()
-    init_random_(model)
-    model.eval()
+    model = materialize_random(model, device)
     h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
     g = torch.Generator().manual_seed(1)
     mxfp4 = placement.cpu_format == "mxfp4"

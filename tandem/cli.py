@@ -216,6 +216,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                                                           "--gpu-memory-utilization)")
     _add_capacity_flags(p)
     _add_offload_flags(p)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="as serve's: a draft model or DSpark drafter takes its weights' share of the GPU")
     p.add_argument("--measure", action="store_true",
                    help="time RAM read, PCIe and GPU bandwidth here and print the predicted decode tok/s")
 
@@ -266,6 +268,7 @@ def plan(args: argparse.Namespace) -> int:
             kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
             device_bytes=parse_size(args.gpu_memory) if args.gpu_memory else None,
             offload=offload_config(args), machine=_measured(args, device),
+            spec=SpecConfig.parse(args.speculative_config),
         )
     except (CheckpointError, ValueError) as e:
         sys.stderr.write(f"tandem: error: {e}\n")

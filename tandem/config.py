@@ -312,7 +312,7 @@ class OffloadConfig:
         if text is None:
             return None
         text = text.strip()
-        if text in ("auto",):
+        if text == "auto":
             return text
         if text in ("", "none"):
             return ()

@@ -128,3 +128,18 @@ def test_plan_prints_the_per_layer_table_and_checks_ram(tmp_path, capsys):
     assert "DOES NOT FIT: the routed experts in RAM need 1.50 GiB but --cpu-memory is 0.50 GiB" in out
     plan = plan_memory(cfg, torch.bfloat16, "cuda", device_bytes=2 * GiB, offload=OffloadConfig(cpu_moe=True))
     assert plan.weights["routed experts in RAM (bf16)"] == 8 * LAYER_EXPERTS and "routed experts" not in plan.weights
+
+
+def test_a_drafter_takes_its_share_of_the_gpu():
+    from tandem.builtin import DEMO_DIR
+    from tandem.config import SpecConfig
+
+    plain = plan_memory(DEMO_DIR, torch.bfloat16, "cuda", device_bytes=2 * GiB, max_model_len=2048)
+    spec = plan_memory(DEMO_DIR, torch.bfloat16, "cuda", device_bytes=2 * GiB, max_model_len=2048,
+                       spec=SpecConfig.parse({"method": "dspark"}))
+    drafter = spec.weights["speculative drafter"]
+    dspark = sum(f.stat().st_size for f in (DEMO_DIR / "dspark").glob("*.safetensors"))
+    assert 0.9 * dspark < drafter <= dspark  # bf16 on disk, bf16 planned (less the headers)
+    assert spec.kv_budget == plain.kv_budget - drafter
+    assert "speculative drafter" not in plan_memory(DEMO_DIR, torch.bfloat16, "cuda", device_bytes=2 * GiB,
+                                                    spec=SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3})).weights

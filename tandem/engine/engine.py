@@ -210,13 +210,13 @@ class LLMEngine:
             mc.model, mc.dtype, self.device.type, max_model_len=mc.max_model_len,
             max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             block_size=cfg.cache.block_size, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
-            offload=cfg.offload,
+            offload=cfg.offload, spec=cfg.spec,
         )
         placement = plan.placement
         assert placement is not None, "plan_memory always places the experts"
         if plan.offload_problems:
             raise MemoryError("; ".join(plan.offload_problems))
-        gpu_bytes = sum(v for k, v in plan.weights.items() if "in RAM" not in k)
+        gpu_bytes = sum(v for k, v in plan.weights.items() if "in RAM" not in k and k != "speculative drafter")
         self._check_weights_fit(gpu_bytes)
         if placement.num_experts:
             logger.info("Expert placement: %s", placement.reason)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import OffloadConfig
+from tandem.config import OffloadConfig, SpecConfig
 from tandem.kv.spec import group_layers
 from tandem.models.loader import (
     LAYER_INDEX,
@@ -27,6 +27,7 @@ from tandem.models.loader import (
     check_config,
     inspect_checkpoint,
     read_config_file,
+    read_safetensors_header,
     supported_model_type,
 )
 from tandem.models.registry import get_model_class
@@ -147,6 +148,7 @@ def plan_memory(
     device_bytes: int | None = None,
     offload: OffloadConfig | None = None,
     machine: MachineConstants | None = None,
+    spec: SpecConfig | None = None,
 ) -> MemoryPlan:
     """Plan without touching device memory. On CUDA, `device_bytes` is the GPU's memory (the
     current device's when None). `model_dir` is a checkpoint directory, or a config.json (a file,
@@ -154,7 +156,7 @@ def plan_memory(
     docstring). A checkpoint `tandem serve` would refuse (its weights, config.json or tokenizer
     files) raises CheckpointError with the same one-line message. `offload` says which routed
     experts may go to RAM (see placement.py); `machine` (measured bandwidths) adds a predicted
-    decode speed."""
+    decode speed; a draft model or DSpark drafter in `spec` takes its weights' share of the GPU."""
     path = Path(model_dir)
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
@@ -192,7 +194,10 @@ def plan_memory(
                                                           max_num_seqs, elem)
     offload = offload or OffloadConfig()
     kv_min = -(-max_len // block_size) * block_size * kv_per_token  # one --max-model-len request
-    gpu_budget = int(gpu_memory_utilization * device_bytes) - activation if device == "cuda" else None
+    drafter = drafter_bytes(spec, path, elem) if spec is not None and not config_only else 0
+    if drafter:
+        weights["speculative drafter"] = drafter
+    gpu_budget = int(gpu_memory_utilization * device_bytes) - activation - drafter if device == "cuda" else None
     placement = plan_placement(model, dtype, offload, gpu_budget, kv_min)
     problems = list(placement.problems)
     if placement.offloaded:  # the experts' bytes in RAM, in the CPU format
@@ -200,7 +205,7 @@ def plan_memory(
             n for name, n in _expert_sizes(model, elem) if _layer_of(name) in placement.cpu_layers)
         weights[f"routed experts in RAM ({placement.cpu_format})"] = placement.cpu_bytes
         weights = {k: v for k, v in weights.items() if v}
-    on_device = sum(v for k, v in weights.items() if "in RAM" not in k)
+    on_device = sum(v for k, v in weights.items() if "in RAM" not in k) - drafter  # (gpu_budget has it)
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device == "cuda":
@@ -230,6 +235,18 @@ def plan_memory(
     return MemoryPlan(path, model_type, dtype, device, weights, kv_per_token, max_len,
                       max_num_seqs, device_bytes, activation, budget, kv_tokens, problems, config_only,
                       placement, machine, tuple(offload_problems))
+
+
+def drafter_bytes(spec: SpecConfig, model_dir: Path, elem: int) -> int:
+    """Weights of the spec config's draft model or DSpark drafter in the run dtype (0 for n-gram or
+    none), read from its safetensors headers."""
+    sub = {"draft_model": "draft", "dspark": "dspark"}.get(spec.method or "")
+    if sub is None:
+        return 0
+    from tandem.spec.controller import drafter_dir
+
+    files = sorted(drafter_dir(spec, str(model_dir), sub).glob("*.safetensors"))
+    return sum(math.prod(t.shape) * elem for f in files for t in read_safetensors_header(f).values())
 
 
 def _layer_of(name: str) -> int | None:
