@@ -5,7 +5,8 @@ placement `tandem serve` would choose for a GPU budget (default 8 GiB), then per
   * decode tok/s of the engine (CPU experts as host nodes inside the captured decode graphs),
   * the CPU kernel alone on one offloaded layer at that batch (random routing, cold weights),
   * the GPU side alone: the same engine with the offloaded layers' experts replaced by a zero
-    executor (same graphs, no CPU work),
+    executor (same graphs, no CPU work), and with the copies and host nodes but nothing computed
+    (what each offloaded layer costs beyond its kernel),
   * the prediction  t_gpu_side + n_offloaded_layers x t_kernel  and how far the real step is off
     (the copies, host-node latency and waits that overlap does not hide),
   * the RAM roofline: routed-expert bytes a step reads (distinct experts x bytes per expert x
@@ -41,7 +42,7 @@ from tandem.engine.engine import LLMEngine  # noqa: E402
 from tandem.models.loader import build_meta_model  # noqa: E402
 from tandem.models.registry import get_model_class  # noqa: E402
 from tandem.offload import cpu_experts  # noqa: E402
-from tandem.offload.cpu_executor import OffloadedExperts  # noqa: E402
+from tandem.offload.cpu_executor import CpuMoEExecutor, OffloadedExperts  # noqa: E402
 from tandem.offload.placement import expert_bytes  # noqa: E402
 from tandem.offload.planner import plan_memory  # noqa: E402
 
@@ -198,6 +199,19 @@ def main() -> None:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+        if device == "cuda":  # the copies and host nodes with nothing computed: the offload's own cost
+            zero_rows = torch.zeros(1, dtype=torch.int32, device=device)
+            for i, layer in sink.layers.items():
+                model.moe_blocks()[i].set_executor(CpuMoEExecutor(layer, sink.staging, rows=zero_rows))
+            engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
+            for row in rows:
+                b = row["batch"]
+                run_decode(engine, b, args.prompt, 8, seed=500 + b)
+                row["transfer_only_ms"] = 1e3 * b / run_decode(engine, b, args.prompt, args.new_tokens,
+                                                               seed=600 + b)["decode_tok_s"]
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
         for i in sink.layers:  # the GPU side alone, in the same graphs
             model.moe_blocks()[i].set_executor(ZeroExperts())
         engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
@@ -208,8 +222,12 @@ def main() -> None:
             row["gpu_side_ms"] = 1e3 * b / r["decode_tok_s"]
             row["predicted_ms"] = row["gpu_side_ms"] + len(sink.layers) * row["kernel_ms"]
             row["step_over_predicted"] = row["step_ms"] / row["predicted_ms"]
+            per_layer = ""
+            if "transfer_only_ms" in row:
+                row["transfer_us_per_layer"] = 1e3 * (row["transfer_only_ms"] - row["gpu_side_ms"]) / len(sink.layers)
+                per_layer = f", copies + host node {row['transfer_us_per_layer']:.0f} us a layer"
             print(f"batch {b}: GPU side {row['gpu_side_ms']:.2f} ms, predicted {row['predicted_ms']:.1f} ms, "
-                  f"measured {row['step_ms']:.1f} ms ({row['step_over_predicted']:.3f}x)", flush=True)
+                  f"measured {row['step_ms']:.1f} ms ({row['step_over_predicted']:.3f}x){per_layer}", flush=True)
         results["decode"] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -84,9 +84,12 @@ class Staging:
 class CpuMoEExecutor:
     """MoEExecutor for one offloaded layer (its experts in `layer`, in RAM)."""
 
-    def __init__(self, layer: CpuExpertLayer, staging: Staging | None) -> None:
+    def __init__(self, layer: CpuExpertLayer, staging: Staging | None, rows: torch.Tensor | None = None) -> None:
+        """`rows` (a device int32 scalar; default the staging's live_rows) is what the kernel is told
+        to compute; benchmarks pass a zero to time the copies and the host node alone."""
         self.layer = layer
         self.staging = staging
+        self.rows = rows if rows is not None or staging is None else staging.live_rows
         self.job = None
         if staging is not None:
             self.job = layer.host_job(staging.hidden, staging.ids, staging.weights, staging.out, staging.count)
@@ -119,7 +122,7 @@ class CpuMoEExecutor:
         stage.hidden[:n].copy_(hidden, non_blocking=True)
         stage.ids[:n].copy_(topk_ids, non_blocking=True)
         stage.weights[:n].copy_(topk_weights, non_blocking=True)
-        stage.count.copy_(stage.live_rows, non_blocking=True)
+        stage.count.copy_(self.rows, non_blocking=True)
         launch_host_func(torch.cuda.current_stream(hidden.device), self.job.fn_ptr, self.job.arg_ptr)
         return stage.out[:n].to(hidden.device, non_blocking=True)
 
