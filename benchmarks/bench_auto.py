@@ -107,6 +107,42 @@ class StageClock:
         return out
 
 
+class StepClock:
+    """Wall seconds and counts of one engine's steps by how their forward ran ("prefill": a step
+    with prefill work, "cuda_graph" / "eager": decodes and verifies, "none": no forward), by
+    wrapping `step` and the runner's `execute`: where the time a K policy does not model goes."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds: dict[str, float] = {}
+        self.steps: dict[str, int] = {}
+        eng = llm.engine
+        execute, step = eng.runner.execute, eng.step
+        mode = ["none"]
+
+        def traced_execute(batch):  # noqa: ANN001, ANN202
+            out = execute(batch)
+            mode[0] = out.mode
+            return out
+
+        def timed_step():  # noqa: ANN202
+            mode[0] = "none"
+            start = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.seconds[mode[0]] = self.seconds.get(mode[0], 0.0) + time.perf_counter() - start
+                self.steps[mode[0]] = self.steps.get(mode[0], 0) + 1
+
+        eng.runner.execute, eng.step = traced_execute, timed_step
+
+    def take(self, total_seconds: float) -> dict[str, Any]:
+        """Per kind: steps and seconds; "between steps": the rest of `total_seconds`."""
+        out = {k: {"steps": self.steps[k], "s": round(v, 4)} for k, v in self.seconds.items()}
+        out["between steps"] = {"s": round(total_seconds - sum(self.seconds.values()), 4)}
+        self.seconds, self.steps = {}, {}
+        return out
+
+
 def run_level(llm: LLM, prompts: list[list[int]], conc: int, max_tokens: int) -> tuple[int, float]:
     """Keep `conc` requests in flight until every prompt is done; (output tokens, seconds)."""
     eng = llm.engine
@@ -191,6 +227,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated configuration names to run (default all)")
     ap.add_argument("--stage-clock", action="store_true",
                     help="time the speculative stage's host work per configuration (propose, observe, counters)")
+    ap.add_argument("--step-clock", action="store_true",
+                    help="wall time per step kind (prefill, graph, eager) and between steps, per configuration")
     ap.add_argument("--out", default=None)
     ap.add_argument("--traces", default=None, help="also record DSpark K=kmax verify traces here")
     args = ap.parse_args()
@@ -199,13 +237,14 @@ def main() -> None:
     table = configs(args.methods.split(","), args.kmax)
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
-    llms, clocks = {}, {}
+    llms, clocks, step_clocks = {}, {}, {}
     for name, spec in table.items():
         t = time.perf_counter()
         llms[name] = LLM(str(demo_model_dir()), device=args.device, max_num_seqs=max(levels), kv_cache_memory="1GiB",
                          speculative_config=spec)
         llms[name].generate(prompts[:2], SamplingParams(max_tokens=32, temperature=0.0))  # warm-up
         clocks[name] = StageClock(llms[name]) if args.stage_clock else None
+        step_clocks[name] = StepClock(llms[name]) if args.step_clock else None
         print(f"built {name} in {time.perf_counter() - t:.1f} s", flush=True)
     results: dict[str, dict[int, list[float]]] = {n: {c: [] for c in levels} for n in table}
     details: dict[str, dict[int, dict]] = {n: {} for n in table}
@@ -215,9 +254,11 @@ def main() -> None:
         # than the rest (a cold host). It also lets auto learn, as a serving engine would have.
         for c in levels:
             for name in names:
-                run_level(llms[name], prompts, c, args.max_tokens)
+                _, seconds = run_level(llms[name], prompts, c, args.max_tokens)
                 if clocks[name] is not None:
                     clocks[name].take()
+                if step_clocks[name] is not None:
+                    step_clocks[name].take(seconds)
         print(f"warm-up round {r + 1} done", flush=True)
     for r in range(args.rounds):
         for c in levels:
@@ -229,10 +270,13 @@ def main() -> None:
                 after = counters(llm)
                 results[name][c].append(tokens / seconds)
                 stage = clocks[name].take() if clocks[name] is not None else {}
+                steps = step_clocks[name].take(seconds) if step_clocks[name] is not None else {}
                 if r == args.rounds - 1:
                     details[name][c] = summarize({k: v - before.get(k, 0.0) for k, v in after.items()})
                     if stage:  # ms of host work in the speculative stage, per timed step
                         details[name][c]["stage_s"] = {k: round(v, 4) for k, v in stage.items()}
+                    if steps:
+                        details[name][c]["wall_by_step_kind"] = steps
                 print(f"round {r + 1} conc {c:>2} {name:<18} {tokens / seconds:8.1f} tok/s ({tokens} tokens)", flush=True)
     report = {"rounds": args.rounds, "prompts": len(prompts), "max_tokens": args.max_tokens, "device": args.device,
               "results": {}}

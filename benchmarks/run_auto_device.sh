@@ -11,7 +11,7 @@ out=${OUT:-out}
 mkdir -p "$out"
 python3 benchmarks/bench_spec_host.py --batches 1,4,16 --steps 2000 | tee "$out/spec_host.txt"
 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 4 --concurrency 1,4,16 \
-    --rounds 6 --warmup-rounds 1 --prompts 24 --max-tokens 256 --stage-clock \
+    --rounds 6 --warmup-rounds 1 --prompts 24 --max-tokens 256 --stage-clock --step-clock \
     --only "none,dspark K=3,dspark K=4,dspark phase,dspark auto,draft_model K=2,draft_model auto" \
     --out "$out/auto.json" --traces "$out/traces.json" 2>&1 | grep -v "INFO\|Loading\|Capturing\|^round"
 python3 benchmarks/bench_auto_replay.py --traces "$out/traces.json" --device cuda --kv-gib 4 \
