@@ -190,15 +190,21 @@ def bench_torch_bf16(shape: Shape, kept: int, args: argparse.Namespace) -> list[
              torch.randn(SEEDS, h, i, generator=g).bfloat16()]
     layers = [copies(seeds, kept) for _ in range(n_layers)]
     print(f"  torch-bf16-loop: {n_layers} layers, {torch.get_num_threads()} torch threads")
-    bandwidth = probe(args, "torch-bf16-loop")
+    return time_torch(shape, "torch-bf16-loop", torch_bf16_loop, layers, kept, per_expert, args)
+
+
+def time_torch(shape: Shape, impl: str, forward: Callable[..., torch.Tensor], layers: list, kept: int,
+               per_expert: int, args: argparse.Namespace) -> list[dict]:
+    """A torch baseline's rows: `forward(x, ids, w, *layer)` per batch, cycling over `layers`."""
+    bandwidth = probe(args, impl)
     rows = []
     for batch in args.batches:
         ids, w = routing(shape, kept, batch, args.calls + args.warmup, seed=batch)
-        x = torch.randn(batch, h).bfloat16()
-        times = [seconds(functools.partial(torch_bf16_loop, x, ids[c], w[c], *layers[c % n_layers]))
+        x = torch.randn(batch, shape.hidden).bfloat16()
+        times = [seconds(functools.partial(forward, x, ids[c], w[c], *layers[c % len(layers)]))
                  for c in range(args.warmup + args.calls)]
         median = statistics.median(times[args.warmup:])
-        rows.append(row(shape, "torch-bf16-loop", batch, median, ids[args.warmup:], per_expert, bandwidth))
+        rows.append(row(shape, impl, batch, median, ids[args.warmup:], per_expert, bandwidth))
     return rows
 
 
@@ -235,16 +241,7 @@ def bench_torch_int4(shape: Shape, kept: int, args: argparse.Namespace) -> list[
         return out
 
     print(f"  torch-int4pack: {n_layers} layers")
-    bandwidth = probe(args, "torch-int4pack")
-    rows = []
-    for batch in args.batches:
-        ids, w = routing(shape, kept, batch, args.calls + args.warmup, seed=batch)
-        x = torch.randn(batch, h).bfloat16()
-        times = [seconds(functools.partial(forward, x, ids[c], w[c], *layers[c % n_layers]))
-                 for c in range(args.warmup + args.calls)]
-        median = statistics.median(times[args.warmup:])
-        rows.append(row(shape, "torch-int4pack", batch, median, ids[args.warmup:], per_expert, bandwidth))
-    return rows
+    return time_torch(shape, "torch-int4pack", forward, layers, kept, per_expert, args)
 
 
 def print_table(rows: list[dict], bandwidth: float) -> None:
