@@ -1,0 +1,347 @@
+"""DeepSeek-V4 (V4-Flash / V4-Pro), the torch reference: a full-sequence forward with no cache.
+
+A decoder whose residual is `hc_mult` parallel streams (manifold-constrained hyper-connections,
+mHC): each block reads a learned, per-token mix of the streams and writes its output back into all
+of them, the streams themselves mixed by a doubly-stochastic matrix (Sinkhorn). Attention blocks
+are sliding-window, compressed sparse (CSA) or heavily compressed (HCA) per `layer_types`
+(deepseek_v4_attention.py); feed-forward blocks are MoE, hash-routed on `mlp_layer_types ==
+"hash_moe"` (deepseek_v4_moe.py).
+
+Parameter names equal `transformers`' `DeepseekV4ForCausalLM` names, except the routed experts: HF
+keeps them fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), Tandem
+per expert (`mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`, as the native checkpoint and
+Tandem's MoE executors do). `hf_state_dict_to_tandem` converts. Not registered in models/registry.py:
+serving needs the cache groups of part 2; `forward`/`kv_cache_specs` say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.metadata import StepMetadata
+from tandem.kv.spec import KVCacheSpec
+from tandem.models.base import CausalLM
+from tandem.models.deepseek_v4_attention import (
+    CSA,
+    HCA,
+    LAYER_TYPES,
+    SLIDING,
+    DeepseekV4Attention,
+    InterleavedRotary,
+    check_rope_dim,
+    unweighted_rms_norm,
+)
+from tandem.models.deepseek_v4_moe import DeepseekV4MoE
+from tandem.models.layers.mlp import check_activation
+from tandem.models.layers.norm import RMSNorm
+from tandem.models.layers.rotary import RopeConfig
+from tandem.models.qwen3 import require
+
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+_RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # native configs' per-layer `compress_ratios`
+
+
+def _layer_types(cfg: dict[str, Any], n: int) -> tuple[str, ...]:
+    if cfg.get("layer_types"):
+        types = tuple(cfg["layer_types"][:n])
+    elif cfg.get("compress_ratios"):
+        types = tuple(_RATIO_TO_LAYER_TYPE[int(r)] for r in cfg["compress_ratios"][:n])
+    else:
+        raise ValueError("config has neither 'layer_types' nor 'compress_ratios'")
+    bad = sorted(set(types) - set(LAYER_TYPES))
+    if len(types) != n or bad:
+        raise ValueError(f"layer_types must list {n} entries from {LAYER_TYPES}; got {list(types)}")
+    return types
+
+
+def _mlp_layer_types(cfg: dict[str, Any], n: int) -> tuple[str, ...]:
+    if cfg.get("mlp_layer_types"):
+        types = tuple(cfg["mlp_layer_types"][:n])
+    else:
+        n_hash = int(cfg.get("num_hash_layers", 3))
+        types = tuple("hash_moe" if i < n_hash else "moe" for i in range(n))
+    if len(types) != n or set(types) - set(MLP_LAYER_TYPES):
+        raise ValueError(f"mlp_layer_types must list {n} entries from {MLP_LAYER_TYPES}; got {list(types)}")
+    return types
+
+
+def _rope(params: dict[str, Any], max_pos: int) -> RopeConfig:
+    params = {k: v for k, v in params.items() if k != "partial_rotary_factor"}  # the rope dim is read apart
+    return RopeConfig.from_hf({"rope_parameters": params, "max_position_embeddings": max_pos})
+
+
+def _ropes(cfg: dict[str, Any], max_pos: int) -> tuple[RopeConfig, RopeConfig]:
+    """(main, compress) rotary. Either the nested `rope_parameters: {main: ..., compress: ...}` that
+    transformers writes, or the native spelling: `rope_theta` for sliding layers and
+    `compress_rope_theta` plus the `rope_scaling` (YaRN) for compressed layers."""
+    rp = cfg.get("rope_parameters") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return _rope(rp["main"], max_pos), _rope(rp["compress"], max_pos)
+    scaling = {k: v for k, v in (cfg.get("rope_scaling") or rp).items() if k not in ("main", "compress")}
+    compress = {**scaling, "rope_theta": cfg.get("compress_rope_theta", 160000.0)}
+    if compress.get("rope_type", compress.get("type")) == "yarn":
+        compress.setdefault("attention_factor", 1.0)  # V4 does not scale cos/sin by YaRN's mscale
+    main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
+    return _rope(main, max_pos), _rope(compress, max_pos)
+
+
+@dataclass(frozen=True)
+class DeepseekV4Args:
+    """The fields of a DeepSeek-V4 config.json this implementation reads."""
+
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    rope_dim: int  # trailing channels of each head that carry rotary (qk_rope_head_dim)
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    compress_rates: dict[str, int]  # per compressed layer type
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    mlp_layer_types: tuple[str, ...]
+    n_routed_experts: int
+    num_experts_per_tok: int
+    scoring_func: str
+    routed_scaling_factor: float
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    main_rope: RopeConfig
+    compress_rope: RopeConfig
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> DeepseekV4Args:
+        n = int(require(cfg, "num_hidden_layers"))
+        head_dim = int(require(cfg, "head_dim"))
+        if int(cfg.get("num_key_value_heads", 1)) != 1:
+            raise ValueError("DeepSeek-V4 attention has one shared K=V head; num_key_value_heads must be 1")
+        if int(cfg.get("n_shared_experts", 1)) != 1:
+            raise ValueError("n_shared_experts must be 1 (V4's shared expert is one MLP of moe_intermediate_size)")
+        # transformers writes both, and partial_rotary_factor wins; native configs have qk_rope_head_dim.
+        if cfg.get("partial_rotary_factor") is not None:
+            rope_dim = int(head_dim * float(cfg["partial_rotary_factor"]))
+        else:
+            rope_dim = int(cfg.get("qk_rope_head_dim") or head_dim * 64 // 512)
+        rates = {CSA: 4, HCA: 128, **(cfg.get("compress_rates") or {})}
+        rates[CSA] = int(cfg.get("compress_rate_csa", rates[CSA]))
+        rates[HCA] = int(cfg.get("compress_rate_hca", rates[HCA]))
+        main_rope, compress_rope = _ropes(cfg, int(cfg.get("max_position_embeddings", 1 << 20)))
+        args = cls(
+            vocab_size=int(require(cfg, "vocab_size")),
+            hidden_size=int(require(cfg, "hidden_size")),
+            moe_intermediate_size=int(require(cfg, "moe_intermediate_size")),
+            num_hidden_layers=n,
+            num_attention_heads=int(require(cfg, "num_attention_heads")),
+            head_dim=head_dim,
+            rope_dim=rope_dim,
+            q_lora_rank=int(require(cfg, "q_lora_rank")),
+            o_groups=int(require(cfg, "o_groups")),
+            o_lora_rank=int(require(cfg, "o_lora_rank")),
+            sliding_window=int(require(cfg, "sliding_window")),
+            layer_types=_layer_types(cfg, n),
+            compress_rates={CSA: rates[CSA], HCA: rates[HCA]},
+            index_n_heads=int(require(cfg, "index_n_heads")),
+            index_head_dim=int(require(cfg, "index_head_dim")),
+            index_topk=int(require(cfg, "index_topk")),
+            mlp_layer_types=_mlp_layer_types(cfg, n),
+            n_routed_experts=int(require(cfg, "n_routed_experts")),
+            num_experts_per_tok=int(require(cfg, "num_experts_per_tok")),
+            scoring_func=str(cfg.get("scoring_func", "sqrtsoftplus")),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
+            hc_mult=int(cfg.get("hc_mult", 4)),
+            hc_sinkhorn_iters=int(cfg.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(cfg.get("hc_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            main_rope=main_rope,
+            compress_rope=compress_rope,
+        )
+        check_activation(str(cfg.get("hidden_act", "silu")))
+        check_rope_dim(rope_dim, head_dim, args.index_head_dim)
+        if min(args.compress_rates.values()) < 1 or args.sliding_window < 1 or args.hc_sinkhorn_iters < 1:
+            raise ValueError("compress_rates, sliding_window and hc_sinkhorn_iters must be positive")
+        return args
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """[..., N, N] logits -> a (nearly) doubly-stochastic matrix: a row softmax (+eps), then
+    alternately columns and rows normalised to sum 1, `iters` column passes in all."""
+    m = logits.softmax(dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+class HyperConnection(nn.Module):
+    """The mHC around one block. From the N streams of a token it computes, with one linear map of
+    the RMS-normed flattened streams (`fn` [(2+N)N, N*H], `base`, per-output `scale` [3]):
+    pre [N] (how the block input collapses the streams), post [N] (how the block output is written
+    back to each stream) and comb [N, N] (how the streams mix, Sinkhorn-projected)."""
+
+    def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        n = hc_mult
+        self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [..., N, H] -> (collapsed block input [..., H], post [..., N], comb [..., N, N]), float32 weights."""
+        n = self.n
+        flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)  # [..., N*H]
+        sizes = [n, n, n * n]
+        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split(sizes, dim=-1)  # [..., N], [..., N], [..., N*N]
+        pre_b, post_b, comb_b = self.base.float().split(sizes)
+        pre_s, post_s, comb_s = self.scale.float().unbind()
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps  # [..., N]
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)  # [..., N]
+        comb = sinkhorn((comb_w * comb_s + comb_b).unflatten(-1, (n, n)), self.iters, self.hc_eps)  # [..., N, N]
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)  # [..., H]
+        return collapsed, post, comb
+
+    @staticmethod
+    def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """new stream k = post_k * block_out + sum_j comb[j, k] * stream_j. [..., N, H]."""
+        dtype = streams.dtype
+        mixed = torch.einsum("...jk,...jh->...kh", comb.to(dtype), streams)
+        return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the N streams into one hidden state: sigmoid-weighted sum (+eps)."""
+
+    def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(hc_mult))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:  # [..., N, H] -> [..., H]
+        flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)  # [..., N*H]
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, args: DeepseekV4Args, layer_idx: int) -> None:
+        super().__init__()
+        a, kind = args, args.layer_types[layer_idx]
+        self.self_attn = DeepseekV4Attention(
+            layer_type=kind, hidden_size=a.hidden_size, num_heads=a.num_attention_heads, head_dim=a.head_dim,
+            q_lora_rank=a.q_lora_rank, o_groups=a.o_groups, o_lora_rank=a.o_lora_rank,
+            sliding_window=a.sliding_window, compress_ratio=a.compress_rates.get(kind, 0),
+            index_n_heads=a.index_n_heads, index_head_dim=a.index_head_dim, index_topk=a.index_topk,
+            eps=a.rms_norm_eps,
+        )
+        is_hash = a.mlp_layer_types[layer_idx] == "hash_moe"
+        self.mlp = DeepseekV4MoE(
+            a.hidden_size, a.moe_intermediate_size, a.n_routed_experts, a.num_experts_per_tok, a.scoring_func,
+            a.routed_scaling_factor, a.swiglu_limit, hash_vocab_size=a.vocab_size if is_hash else None,
+        )
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.attn_hc = HyperConnection(a.hidden_size, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
+        self.ffn_hc = HyperConnection(a.hidden_size, a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.rms_norm_eps)
+
+    def forward_full(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                     rotary: InterleavedRotary) -> torch.Tensor:
+        """streams [B, T, N, H], input_ids [B, T], positions [T] -> streams [B, T, N, H]."""
+        B, T, _, H = streams.shape
+        collapsed, post, comb = self.attn_hc(streams)  # [B, T, H]
+        attn = self.self_attn.forward_full(self.input_layernorm(collapsed), positions, rotary)
+        streams = HyperConnection.merge(streams, attn, post, comb)
+        collapsed, post, comb = self.ffn_hc(streams)
+        ffn = self.mlp(self.post_attention_layernorm(collapsed).view(B * T, H), input_ids.reshape(-1))  # [B*T, H]
+        return HyperConnection.merge(streams, ffn.view(B, T, H), post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, args: DeepseekV4Args) -> None:
+        super().__init__()
+        self.hc_mult = args.hc_mult
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hc_head = HyperHead(args.hidden_size, args.hc_mult, args.hc_eps, args.rms_norm_eps)
+        self.rotary_emb = nn.ModuleDict({
+            "main": InterleavedRotary(args.rope_dim, args.main_rope),
+            "compress": InterleavedRotary(args.rope_dim, args.compress_rope),
+        })
+
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, T] (every sequence from position 0, no padding) -> final hidden [B, T, H]."""
+        hidden = self.embed_tokens(input_ids)  # [B, T, H]
+        streams = hidden.unsqueeze(2).expand(-1, -1, self.hc_mult, -1)  # [B, T, N, H]: N copies
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # [T]
+        for layer in self.layers:
+            rotary = self.rotary_emb[layer.self_attn.rope_kind]
+            streams = layer.forward_full(streams, input_ids, positions, rotary)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    args_class = DeepseekV4Args
+
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
+        super().__init__(hf_config, dtype)
+        self.args = args = DeepseekV4Args.from_hf(hf_config)
+        self.model = DeepseekV4Model(args)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.to(dtype)
+
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The cache-free reference forward: input_ids [B, T] int64 -> logits [B, T, V] float32."""
+        return self.compute_logits(self.model.forward_full(input_ids))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
+        raise NotImplementedError("DeepSeek-V4 has no paged-cache forward yet (issue 18 part 2); use forward_full")
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        raise NotImplementedError("DeepSeek-V4's cache groups (window, compressed, indexer) are issue 18 part 2")
+
+    def moe_blocks(self) -> dict[int, DeepseekV4MoE]:
+        """Layer index -> its MoE block: where the offload planner sets per-layer executors."""
+        return {i: layer.mlp for i, layer in enumerate(self.model.layers)}
+
+
+def hf_state_dict_to_tandem(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' in-memory `DeepseekV4ForCausalLM.state_dict()` -> this model's names: the fused
+    `*.mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `*.mlp.experts.down_proj` [E, H, I]
+    become per-expert `*.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`; the rest is unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif name.endswith(".experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e, down in enumerate(tensor):
+                out[f"{prefix}{e}.down_proj.weight"] = down
+        else:
+            out[name] = tensor
+    return out
