@@ -29,7 +29,7 @@ VOCAB = 160
 BASE = {
     "vocab_size": VOCAB, "hidden_size": 48, "moe_intermediate_size": 24, "num_attention_heads": 4, "head_dim": 16,
     "partial_rotary_factor": 0.5, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 12, "n_routed_experts": 6,
-    "num_experts_per_tok": 2, "n_shared_experts": 1, "index_n_heads": 3, "index_head_dim": 12, "hc_mult": 4,
+    "num_experts_per_tok": 2, "n_shared_experts": 1, "index_n_heads": 8, "index_head_dim": 12, "hc_mult": 4,
     "hc_sinkhorn_iters": 20, "routed_scaling_factor": 1.5, "swiglu_limit": 0.5, "max_position_embeddings": 256,
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }  # fmt: skip

@@ -10,13 +10,17 @@ are sliding-window, compressed sparse (CSA) or heavily compressed (HCA) per `lay
 Parameter names equal `transformers`' `DeepseekV4ForCausalLM` names, except the routed experts: HF
 keeps them fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), Tandem
 per expert (`mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`, as the native checkpoint and
-Tandem's MoE executors do). `hf_state_dict_to_tandem` converts. Not registered in models/registry.py:
-serving needs the cache groups of part 2; `forward`/`kv_cache_specs` say so.
+Tandem's MoE executors do). `hf_state_dict_to_tandem` converts.
+
+Two reference forwards: `forward_full` (cache-free, whole sequences) and `forward_step` (packed
+chunks of several requests, each on its own `DeepseekV4State`, with `deepseek_v4_state.rollback`
+for speculative steps), equal at every position. Not registered in models/registry.py: serving
+needs the paged cache groups of part 2 to hold that state; `forward`/`kv_cache_specs` say so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,6 +41,7 @@ from tandem.models.deepseek_v4_attention import (
     unweighted_rms_norm,
 )
 from tandem.models.deepseek_v4_moe import DeepseekV4MoE
+from tandem.models.deepseek_v4_state import AttentionState, DeepseekV4State, trim
 from tandem.models.layers.mlp import check_activation
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import RopeConfig
@@ -274,6 +279,24 @@ class DeepseekV4DecoderLayer(nn.Module):
         ffn = self.mlp(self.post_attention_layernorm(collapsed).view(B * T, H), input_ids.reshape(-1))  # [B*T, H]
         return HyperConnection.merge(streams, ffn.view(B, T, H), post, comb)
 
+    def forward_step(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                     lengths: list[int], states: list[AttentionState], rotary: InterleavedRotary
+                     ) -> tuple[torch.Tensor, list[AttentionState]]:
+        """Packed tokens of several requests: streams [T, N, H], input_ids [T], positions [T], the
+        requests' token counts `lengths` (sum T) and their states -> (streams [T, N, H], new states).
+        mHC and the MoE run on all tokens at once; attention per request on its own state."""
+        collapsed, post, comb = self.attn_hc(streams)  # [T, H]
+        normed = self.input_layernorm(collapsed)
+        outs, new_states = [], []
+        for hidden, pos, state in zip(normed.split(lengths), positions.split(lengths), states):
+            out, state = self.self_attn.forward_step(hidden, pos, state, rotary)
+            outs.append(out)
+            new_states.append(state)
+        streams = HyperConnection.merge(streams, torch.cat(outs), post, comb)
+        collapsed, post, comb = self.ffn_hc(streams)
+        ffn = self.mlp(self.post_attention_layernorm(collapsed), input_ids)  # [T, H]
+        return HyperConnection.merge(streams, ffn, post, comb), new_states
+
 
 class DeepseekV4Model(nn.Module):
     def __init__(self, args: DeepseekV4Args) -> None:
@@ -298,6 +321,26 @@ class DeepseekV4Model(nn.Module):
             streams = layer.forward_full(streams, input_ids, positions, rotary)
         return self.norm(self.hc_head(streams))
 
+    def forward_step(self, input_ids: list[torch.Tensor], states: list[DeepseekV4State]
+                     ) -> tuple[torch.Tensor, list[DeepseekV4State]]:
+        """Each request's next tokens (input_ids[i] [T_i], any T_i >= 1) on its state -> (final hidden
+        [sum T_i, H] packed in request order, the new states, trimmed to their max_rollback)."""
+        if len(input_ids) != len(states):
+            raise ValueError(f"{len(input_ids)} token chunks for {len(states)} states")
+        lengths = [int(ids.shape[0]) for ids in input_ids]
+        ids = torch.cat(input_ids)  # [T]
+        positions = torch.cat([torch.arange(s.length, s.length + n) for s, n in zip(states, lengths)]).to(ids.device)
+        streams = self.embed_tokens(ids).unsqueeze(1).expand(-1, self.hc_mult, -1)  # [T, N, H]
+        per_layer = [list(layer_states) for layer_states in zip(*(s.layers for s in states))]  # [layer][request]
+        for i, layer in enumerate(self.layers):
+            rotary = self.rotary_emb[layer.self_attn.rope_kind]
+            streams, per_layer[i] = layer.forward_step(streams, ids, positions, lengths, per_layer[i], rotary)
+        new_states = [
+            replace(s, length=s.length + n, layers=tuple(trim(layer[r], s.max_rollback) for layer in per_layer))
+            for r, (s, n) in enumerate(zip(states, lengths))
+        ]
+        return self.norm(self.hc_head(streams)), new_states
+
 
 class DeepseekV4ForCausalLM(CausalLM):
     args_class = DeepseekV4Args
@@ -312,6 +355,23 @@ class DeepseekV4ForCausalLM(CausalLM):
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The cache-free reference forward: input_ids [B, T] int64 -> logits [B, T, V] float32."""
         return self.compute_logits(self.model.forward_full(input_ids))
+
+    def new_state(self, max_rollback: int = 0, device: torch.device | str = "cpu") -> DeepseekV4State:
+        """An empty request state; it can later `rollback` up to `max_rollback` tokens at once (the
+        speculative step's draft length), at the cost of keeping that many more rows per layer."""
+        if max_rollback < 0:
+            raise ValueError(f"max_rollback must be >= 0, got {max_rollback}")
+        layers = tuple(layer.self_attn.new_state(self.dtype, device) for layer in self.model.layers)
+        return DeepseekV4State(length=0, max_rollback=max_rollback, layers=layers)
+
+    def forward_step(self, input_ids: list[torch.Tensor], states: list[DeepseekV4State]
+                     ) -> tuple[list[torch.Tensor], list[DeepseekV4State]]:
+        """The incremental reference: each request's next tokens (input_ids[i] [T_i] int64, a prefill
+        chunk, one decode token or a speculative step) on its state -> (logits [T_i, V] float32 per
+        request, new states). Equal to `forward_full` of each whole sequence at these positions;
+        `deepseek_v4_state.rollback` takes tokens back."""
+        hidden, new_states = self.model.forward_step(input_ids, states)
+        return list(self.compute_logits(hidden).split([int(ids.shape[0]) for ids in input_ids])), new_states
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

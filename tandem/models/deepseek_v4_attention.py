@@ -1,4 +1,6 @@
-"""DeepSeek-V4 attention, full-sequence reference (a prefill from position 0, no cache).
+"""DeepSeek-V4 attention, the torch reference: `forward_full` over whole sequences from position 0
+(no cache), and `forward_step` over one request's next tokens on its `AttentionState`
+(deepseek_v4_state.py), equal to it.
 
 Every layer attends over a sliding window of its own tokens; compressed layers add entries that each
 summarise a window of `m` tokens:
@@ -23,10 +25,18 @@ Shapes: B batch, T tokens, H hidden, Hh heads, D head_dim, N compressed entries,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.models.deepseek_v4_state import (
+    AttentionState,
+    CompressorState,
+    empty_rows,
+    new_compressor_state,
+)
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import RopeConfig, compute_inv_freq
 
@@ -114,21 +124,46 @@ class WindowCompressor(nn.Module):
         prev_gate = F.pad(gate[:, :-1, :, :D], (0, 0, 0, 0, 1, 0), value=float("-inf"))
         return torch.cat((prev_kv, kv[..., D:]), dim=2), torch.cat((prev_gate, gate[..., D:]), dim=2)
 
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [..., T, H], positions [T] -> per-token (kv, gate + position_bias[pos % m]), each [..., T, width]."""
+        return self.kv_proj(hidden), self.gate_proj(hidden) + self.position_bias[positions % self.ratio]
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first: int, rotary: InterleavedRotary) -> torch.Tensor:
+        """Projections of N consecutive closed windows, from window `first`, kv/gate [B, N', m, width]
+        with N' = N + 1 when overlapping and first > 0 (window first - 1 lends its Ca half), else N
+        -> entries [B, N, D], normed and rotated at their positions."""
+        if self.overlap:
+            kv, gate = self._slots(kv, gate)  # [B, N', 2m, D] each
+            if first > 0:
+                kv, gate = kv[:, 1:], gate[:, 1:]  # window first - 1 was only there for its Ca
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)  # over the pooled slots
+        entries = self.kv_norm((kv * weights).sum(dim=2))  # [B, N, D]
+        cos, sin = rotary(entry_positions(entries.shape[1], self.ratio, kv.device) + first * self.ratio, kv.dtype)
+        return apply_rope_tail(entries, cos, sin)
+
     def forward(self, hidden: torch.Tensor, rotary: InterleavedRotary) -> torch.Tensor:
         """hidden [B, T, H] -> entries [B, N, D] with N = T // ratio."""
         B, T, _ = hidden.shape
         N, m = T // self.ratio, self.ratio
         if N == 0:
             return hidden.new_zeros(B, 0, self.head_dim)
-        usable = hidden[:, : N * m]  # [B, N*m, H]
-        kv = self.kv_proj(usable).view(B, N, m, self.kv_proj.out_features)  # [B, N, m, D or 2D]
-        gate = self.gate_proj(usable).view(B, N, m, self.gate_proj.out_features) + self.position_bias
-        if self.overlap:
-            kv, gate = self._slots(kv, gate)  # [B, N, 2m, D] each
-        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)  # over the pooled slots
-        entries = self.kv_norm((kv * weights).sum(dim=2))  # [B, N, D]
-        cos, sin = rotary(entry_positions(N, m, hidden.device), hidden.dtype)  # [N, rope_dim / 2]
-        return apply_rope_tail(entries, cos, sin)
+        kv, gate = self.project(hidden[:, : N * m], torch.arange(N * m, device=hidden.device))  # [B, N*m, width]
+        return self.pool(kv.unflatten(1, (N, m)), gate.unflatten(1, (N, m)), 0, rotary)
+
+    def step(self, state: CompressorState, hidden: torch.Tensor, positions: torch.Tensor,
+             rotary: InterleavedRotary) -> CompressorState:
+        """Feed one request's next tokens: hidden [T, H] at positions [T] (state.end onwards) ->
+        the state with their projections appended and an entry for every window they close."""
+        kv, gate = self.project(hidden, positions)  # [T, width] each
+        state = replace(state, kv=state.kv.append(kv), gate=state.gate.append(gate))
+        m, first, last = self.ratio, state.entries.shape[0], state.end // self.ratio  # new entries [first, last)
+        if last == first:
+            return state
+        lo = max(0, first - 1) * m if self.overlap else first * m
+        windows = (last * m - lo) // m
+        kv_w = state.kv.span(lo, last * m).view(1, windows, m, -1)  # [1, N', m, width]
+        gate_w = state.gate.span(lo, last * m).view(1, windows, m, -1)
+        return replace(state, entries=torch.cat((state.entries, self.pool(kv_w, gate_w, first, rotary)[0])))
 
 
 class IndexerScorer(nn.Module):
@@ -160,9 +195,13 @@ class Indexer(WindowCompressor):
     def select(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
                rotary: InterleavedRotary) -> torch.Tensor:
         """hidden [B, T, H], q_latent [B, T, Rq], positions [T] -> visible [B, T, N] bool: entry n is
-        among the query's top `index_topk` closed entries (ties broken as torch.topk does)."""
+        among the query's top `index_topk` closed entries (equal scores: the lower entry first)."""
+        return self.pick(self(hidden, rotary), hidden, q_latent, positions, rotary)
+
+    def pick(self, keys: torch.Tensor, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+             rotary: InterleavedRotary) -> torch.Tensor:
+        """`select` given the index keys [B, N, Di] (the closed ones and possibly later ones)."""
         B, T, _ = hidden.shape
-        keys = self(hidden, rotary)  # [B, N, Di]
         N = keys.shape[1]
         visible = torch.zeros(B, T, N, dtype=torch.bool, device=hidden.device)
         if N == 0:
@@ -173,7 +212,11 @@ class Indexer(WindowCompressor):
         scores = self.scorer(q, keys, hidden)  # [B, T, N]
         closed = torch.arange(N, device=hidden.device) < closed_entries(positions, self.ratio)[:, None]  # [T, N]
         scores = scores.masked_fill(~closed, float("-inf"))
-        picked = scores.topk(min(self.topk, N), dim=-1).indices  # [B, T, k]
+        # Ties (a score is exactly 0 when every head's relu is; common with few index heads) go to
+        # the lower entry: a stable sort makes the pick independent of how many entries exist, so an
+        # incremental step with N entries picks what a full forward with more would. torch.topk's
+        # tie order depends on N.
+        picked = scores.sort(dim=-1, descending=True, stable=True).indices[..., : min(self.topk, N)]  # [B, T, k]
         # A query with fewer than k closed entries also picks future ones; drop those.
         return visible.scatter_(-1, picked, True) & closed
 
@@ -199,9 +242,11 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sin
     return torch.einsum("bhts,bsd->bthd", probs, kv)
 
 
-def sliding_window_visible(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """[T, T] bool: key j is visible to query i when i - window < j <= i."""
-    diff = positions[:, None] - positions[None, :]  # [T, T]: query - key
+def sliding_window_visible(positions: torch.Tensor, window: int,
+                           key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, S] bool: key j is visible to query i when i - window < j <= i (keys = the queries by default)."""
+    keys = positions if key_positions is None else key_positions
+    diff = positions[:, None] - keys[None, :]  # [T, S]: query - key
     return (diff >= 0) & (diff < window)
 
 
@@ -263,27 +308,84 @@ class DeepseekV4Attention(nn.Module):
         closed = torch.arange(N, device=hidden.device) < closed_entries(positions, self.compressor.ratio)[:, None]
         return entries, closed[None]  # [1, T, N]
 
-    def forward_full(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: InterleavedRotary) -> torch.Tensor:
-        """Cache-free attention over whole sequences from position 0.
-
-        hidden [B, T, H], positions [T] (0..T-1), `rotary`: this layer's kind (see `rope_kind`) -> [B, T, H]."""
+    def _project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [B, T, H] -> (q_latent [B, T, Rq], q [B, T, Hh, D], kv [B, T, D]), q and kv rotated."""
         B, T, _ = hidden.shape
-        cos, sin = rotary(positions, hidden.dtype)  # [T, rope_dim / 2]
         q_latent = self.q_a_norm(self.q_a_proj(hidden))  # [B, T, Rq]
         q = self.q_b_proj(q_latent).view(B, T, self.num_heads, self.head_dim)  # [B, T, Hh, D]
         q = apply_rope_tail(unweighted_rms_norm(q, self.eps), cos[:, None], sin[:, None])
         kv = apply_rope_tail(self.kv_norm(self.kv_proj(hidden)), cos, sin)  # [B, T, D]: K and V
-        visible = sliding_window_visible(positions, self.sliding_window)[None]  # [1, T, T]
-        if self.compressor is not None:
-            entries, entry_visible = self._compressed(hidden, q_latent, positions, rotary)
-            kv = torch.cat((kv, entries), dim=1)  # [B, T + N, D]
-            visible = torch.cat((visible.expand(entry_visible.shape[0], -1, -1), entry_visible), dim=-1)  # [B|1, T, T+N]
-        out = sink_attention(q, kv, visible, self.sinks, self.scale)  # [B, T, Hh, D]
+        return q_latent, q, kv
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """q [B, T, Hh, D], keys [B, S, D] (K = V), visible [B or 1, T, S] -> [B, T, H]."""
+        B, T = q.shape[:2]
+        out = sink_attention(q, keys, visible, self.sinks, self.scale)  # [B, T, Hh, D]
         # V carried rotary at its key's position; rotating back by the query's position leaves the
         # rope channels a function of the relative distance.
         out = apply_rope_tail(out, cos[:, None], -sin[:, None])
         grouped = self.o_a_proj(out.reshape(B, T, self.o_a_proj.groups, -1))  # [B, T, G, o_lora_rank]
         return self.o_b_proj(grouped.flatten(2))
+
+    def forward_full(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: InterleavedRotary) -> torch.Tensor:
+        """Cache-free attention over whole sequences from position 0.
+
+        hidden [B, T, H], positions [T] (0..T-1), `rotary`: this layer's kind (see `rope_kind`) -> [B, T, H]."""
+        cos, sin = rotary(positions, hidden.dtype)  # [T, rope_dim / 2]
+        q_latent, q, kv = self._project(hidden, cos, sin)
+        visible = sliding_window_visible(positions, self.sliding_window)[None]  # [1, T, T]
+        if self.compressor is not None:
+            entries, entry_visible = self._compressed(hidden, q_latent, positions, rotary)
+            kv = torch.cat((kv, entries), dim=1)  # [B, T + N, D]
+            visible = torch.cat((visible.expand(entry_visible.shape[0], -1, -1), entry_visible), dim=-1)  # [B|1, T, T+N]
+        return self._attend(q, kv, visible, cos, sin)
+
+    def forward_step(self, hidden: torch.Tensor, positions: torch.Tensor, state: AttentionState,
+                     rotary: InterleavedRotary) -> tuple[torch.Tensor, AttentionState]:
+        """One request's next tokens, any count: hidden [T, H] at positions [T] = state.end + 0..T-1
+        -> (output [T, H], the state with these tokens in). Equals `forward_full` on the whole
+        sequence at these positions. The new state keeps every row it was given (`trim` drops the
+        ones behind the window); windows the tokens close are compressed before anyone attends,
+        since the closing token already sees its entry."""
+        T = hidden.shape[0]
+        expected = torch.arange(state.end, state.end + T, device=positions.device)
+        if T == 0 or not torch.equal(positions, expected):
+            raise ValueError(f"forward_step takes T >= 1 tokens at positions {state.end}..{state.end}+T-1, "
+                             f"got {T} at {positions.tolist()[:4]}...")
+        cos, sin = rotary(positions, hidden.dtype)  # [T, rope_dim / 2]
+        q_latent, q, kv = self._project(hidden[None], cos, sin)  # [1, T, Rq], [1, T, Hh, D], [1, T, D]
+        window = state.window.append(kv[0])  # [S + T, D], positions [window.start, end + T)
+        key_positions = torch.arange(window.start, window.end, device=hidden.device)
+        keys, visible = window.rows, sliding_window_visible(positions, self.sliding_window, key_positions)  # [T, S+T]
+        state = replace(state, window=window)
+        if self.compressor is not None:
+            c = self.compressor.step(state.compressor, hidden, positions, rotary)  # entries [N, D]
+            if isinstance(self.compressor, SparseCompressor):
+                indexer = self.compressor.indexer
+                ix = indexer.step(state.indexer, hidden, positions, rotary)  # index keys [N, Di]
+                entry_visible = indexer.pick(ix.entries[None], hidden[None], q_latent, positions, rotary)[0]
+                state = replace(state, indexer=ix)
+            else:
+                n = torch.arange(c.entries.shape[0], device=hidden.device)
+                entry_visible = n < closed_entries(positions, self.compressor.ratio)[:, None]  # [T, N]
+            keys, visible = torch.cat((keys, c.entries)), torch.cat((visible, entry_visible), dim=-1)
+            state = replace(state, compressor=c)
+        return self._attend(q, keys[None], visible[None], cos, sin)[0], state
+
+    def new_state(self, dtype: torch.dtype, device: torch.device | str) -> AttentionState:
+        """An empty request's state for this layer."""
+        def compressor(c: WindowCompressor) -> CompressorState:
+            return new_compressor_state(c.ratio, c.overlap, c.head_dim, dtype, device)
+
+        c = self.compressor
+        return AttentionState(
+            window_size=self.sliding_window,
+            window=empty_rows(self.head_dim, dtype, device),
+            compressor=None if c is None else compressor(c),
+            indexer=compressor(c.indexer) if isinstance(c, SparseCompressor) else None,
+        )
 
 
 def check_rope_dim(rope_dim: int, head_dim: int, index_head_dim: int) -> None:
