@@ -115,3 +115,12 @@ def test_caching_disabled_never_hits():
     assert kv.allocate_slots(a, 9)
     computed(kv, a, 9)
     assert kv.find_prefix(req("b", list(range(9)))).num_tokens == 0
+
+
+def test_one_full_group_keeps_its_geometry():
+    kv = make_manager(8)
+    assert kv.unit == BS and kv.num_blocks == 8 and kv.null_block() == 8
+    assert kv.state_pools == [None] and kv.snapshot_pools == [None]
+    r = req("a", list(range(10)))
+    assert kv.allocate_slots(r, 10)
+    assert kv.block_ids("a") == [0, 1, 2] and kv.blocks_needed(10) == 3

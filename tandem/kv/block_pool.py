@@ -85,3 +85,24 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash = None
+
+
+class SlotPool:
+    """Fixed per-request slots (a compressed group's state): a free list, no sharing, no caching."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    def allocate(self) -> int:
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.num_slots} state slots are taken")  # caller checks first
+        return self.free_slots.pop()
+
+    def free(self, slot: int) -> None:
+        assert slot not in self.free_slots, f"state slot {slot} freed twice"
+        self.free_slots.append(slot)
