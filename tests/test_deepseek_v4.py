@@ -8,6 +8,7 @@ transformers accepts any compression ratio, so the "all kinds" and "hash" cases 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +148,57 @@ def test_refuses_unsupported_configs() -> None:
                      ({"partial_rotary_factor": 2.0}, "rotary dim"), ({"layer_types": ["full_attention"]}, "layer_types")):
         with pytest.raises(ValueError, match=msg):
             DeepseekV4ForCausalLM({**cfg, **bad}, torch.float32)
+
+
+def _tiny_checkpoint(tmp_path: Path) -> Path:
+    cfg = DeepseekV4Config(**BASE, **CASES["all_kinds"][0])
+    HFDeepseekV4(cfg).save_pretrained(tmp_path)
+    from tiny_models import TOKENIZER_JSON
+
+    (tmp_path / "tokenizer.json").write_bytes(TOKENIZER_JSON.read_bytes())
+    return tmp_path
+
+
+def test_cache_groups_of_every_layer_kind() -> None:
+    from tandem.kv.spec import group_layers
+
+    cfg = DeepseekV4Config(**BASE, **CASES["all_kinds"][0]).to_dict()
+    groups = group_layers(DeepseekV4ForCausalLM(cfg, torch.float32).kv_cache_specs())
+    kinds = {(g.spec.kind, g.spec.ratio): g.layer_indices for g in groups}
+    assert kinds == {("sliding_window", 1): (0, 1, 2, 3), ("compressed", 4): (1, 3), ("compressed", 8): (2,)}
+    csa = next(g.spec for g in groups if g.spec.ratio == 4)
+    assert csa.overlap and csa.index_head_dim == BASE["index_head_dim"]
+    assert all(g.spec.k_is_v and g.spec.window == 6 for g in groups if g.spec.kind == "sliding_window")
+
+
+def test_plan_of_deepseek_v4_flash_from_its_config(tmp_path) -> None:
+    """The real shape (transformers' defaults are V4-Flash's): the expert placement for a 32 GiB GPU
+    with every routed expert in RAM as MXFP4, and the 1M-token cache (issue 18's goal: <= 10 GiB
+    in fp8; bf16 here)."""
+    from tandem.config import OffloadConfig
+    from tandem.offload.planner import GiB, plan_memory
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(DeepseekV4Config().to_dict()))
+    plan = plan_memory(cfg, torch.bfloat16, "cuda", device_bytes=32 * GiB, max_model_len=1 << 20, max_num_seqs=1,
+                       offload=OffloadConfig(cpu_moe=True, cpu_moe_dtype="mxfp4", cpu_memory=256 * GiB))
+    assert plan.fits, plan.problems
+    assert 130 * GiB < plan.weights["routed experts in RAM (mxfp4)"] < 140 * GiB  # 43 x 256 x 13.4 MB
+    assert plan.placement.cpu_layers == tuple(range(43)) and plan.placement.gpu_bytes < 16 * GiB
+    text = plan.render()
+    assert "compressed 1/4 + indexer keys (128), 20 layers: 6400 B per token" in text
+    million = next(line for line in text.splitlines() if line.startswith("  1M tokens"))
+    assert float(million.split(":")[1].split()[0]) < 10  # GiB, in bf16 already
+    assert plan.kv_tokens >= 1 << 20
+
+
+def test_a_v4_checkpoint_is_planned_but_not_served(tmp_path) -> None:
+    from tandem import LLM
+    from tandem.models.loader import CheckpointError
+    from tandem.offload.planner import plan_memory
+
+    path = _tiny_checkpoint(tmp_path)
+    plan = plan_memory(path, torch.float32, "cpu", max_model_len=128)
+    assert plan.fits and plan.from_config_only and plan.kv_groups
+    with pytest.raises(CheckpointError, match="can be planned .* but not served yet"):
+        LLM(str(path), device="cpu")

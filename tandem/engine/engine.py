@@ -29,7 +29,7 @@ from tandem.engine.structured import StepMasks, StructuredOutputs
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
 from tandem.models.base import CausalLM
-from tandem.models.loader import load_checkpoint
+from tandem.models.loader import check_servable, load_checkpoint
 from tandem.offload.cpu_executor import OffloadedExperts
 from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, kv_blocks, plan_memory
 from tandem.spec.controller import SpecDecoder
@@ -206,6 +206,7 @@ class LLMEngine:
         refuse, naming the shortfall and the flag, a placement that fits neither GPU nor RAM.
         Returns the loader's hook for experts in RAM, or None when they all stay on the device."""
         cfg, mc = self.config, self.config.model
+        check_servable(mc.model)
         plan = plan_memory(
             mc.model, mc.dtype, self.device.type, max_model_len=mc.max_model_len,
             max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,

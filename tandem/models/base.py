@@ -19,6 +19,10 @@ class CausalLM(nn.Module):
     checkpoint against `state_dict()` shapes of a meta-device instance before touching memory.
     """
 
+    # False for an architecture `tandem plan` can size but the engine cannot run yet: loading it
+    # for serving is refused with a one-line CheckpointError.
+    servable = True
+
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__()
         self.hf_config = hf_config

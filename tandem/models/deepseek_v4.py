@@ -344,6 +344,9 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     args_class = DeepseekV4Args
+    # `tandem plan` sizes it (weights, expert placement, cache groups); the engine cannot run it
+    # until the paged forward over those cache groups exists.
+    servable = False
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)
@@ -380,8 +383,22 @@ class DeepseekV4ForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         raise NotImplementedError("DeepSeek-V4 has no paged-cache forward yet (issue 18 part 2); use forward_full")
 
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        raise NotImplementedError("DeepSeek-V4's cache groups (window, compressed, indexer) are issue 18 part 2")
+    def kv_cache_specs(self) -> list[tuple[KVCacheSpec, ...]]:
+        """Per layer, its caches (tandem/kv/spec.py): every layer a sliding window of one shared
+        K=V head; a CSA layer also one compressed entry per `ratio` tokens with the indexer's key
+        beside it (overlapping windows); an HCA layer one entry per its (larger) ratio."""
+        a = self.args
+        window = KVCacheSpec("sliding_window", 1, a.head_dim, self.dtype, window=a.sliding_window, k_is_v=True)
+        specs: list[tuple[KVCacheSpec, ...]] = []
+        for kind in a.layer_types:
+            if kind == CSA:
+                specs.append((window, KVCacheSpec("compressed", 1, a.head_dim, self.dtype, ratio=a.compress_rates[CSA],
+                                                  index_head_dim=a.index_head_dim, overlap=True)))
+            elif kind == HCA:
+                specs.append((window, KVCacheSpec("compressed", 1, a.head_dim, self.dtype, ratio=a.compress_rates[HCA])))
+            else:
+                specs.append((window,))
+        return specs
 
     def moe_blocks(self) -> dict[int, DeepseekV4MoE]:
         """Layer index -> its MoE block: where the offload planner sets per-layer executors."""

@@ -94,6 +94,7 @@ class DeepseekV4MoE(nn.Module):
                  scoring_func: str, routed_scaling_factor: float, swiglu_limit: float,
                  hash_vocab_size: int | None, executor: str = "torch") -> None:
         super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k  # what the offload planner reads
         self.gate = Router(hidden_size, num_experts, top_k, scoring_func, routed_scaling_factor, hash_vocab_size)
         self.experts = nn.ModuleList(
             ClampedSwiGLU(hidden_size, intermediate_size, swiglu_limit) for _ in range(num_experts)

@@ -430,6 +430,17 @@ class TensorSink(Protocol):
         """After every tensor was read."""
 
 
+def check_servable(model_dir: str | Path) -> None:
+    """CheckpointError (one line) when config.json names an architecture Tandem can plan but not run."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return  # inspect_checkpoint says what is missing
+    model_type = supported_model_type(read_config_file(path), path)
+    if not get_model_class(model_type).servable:
+        raise CheckpointError(f"{path}: model_type {model_type!r} can be planned (`tandem plan`) but not served yet: "
+                              "its paged-cache forward is still being built")
+
+
 @torch.no_grad()
 def load_checkpoint(
     model_dir: str | Path,
@@ -445,6 +456,7 @@ def load_checkpoint(
     instead. The model is returned in eval mode with no KV cache bound.
     """
     start = time.perf_counter()
+    check_servable(model_dir)
     info = inspect_checkpoint(model_dir)
     model = build_meta_model(info.model_class, info.config, dtype, info.model_dir / "config.json")
     if sink is not None:

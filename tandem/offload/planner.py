@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from tandem.config import OffloadConfig, SpecConfig
-from tandem.kv.spec import group_layers
+from tandem.kv.groups import kv_bytes_per_token, kv_cache_bytes
+from tandem.kv.spec import CacheGroup, group_layers
 from tandem.models.loader import (
     LAYER_INDEX,
     CheckpointError,
@@ -88,6 +89,7 @@ class MemoryPlan:
     # The placement's own problems (the GPU part, the experts in RAM): what the engine refuses to
     # load with. The others (the KV estimate) it settles by profiling.
     offload_problems: tuple[str, ...] = ()
+    kv_groups: tuple[str, ...] = ()  # per cache group, for models beyond full attention (DeepSeek-V4)
 
     @property
     def weights_total(self) -> int:
@@ -101,7 +103,8 @@ class MemoryPlan:
         lines = [f"Memory plan for {self.model_dir} ({self.model_type}, {str(self.dtype).removeprefix('torch.')}, "
                  f"{self.device})"]
         if self.from_config_only:
-            lines.append("  from config.json alone (no weight files): weight sizes computed from the architecture")
+            lines.append("  from config.json alone (no weight files, or an architecture Tandem plans but does not load "
+                         "yet): weight sizes computed from the architecture")
         for cat, n in sorted(self.weights.items(), key=lambda kv: -kv[1]):
             lines.append(f"  weights  {cat:<34} {n / GiB:9.2f} GiB")
         lines.append(f"  weights  {'total':<34} {self.weights_total / GiB:9.2f} GiB")
@@ -109,6 +112,7 @@ class MemoryPlan:
             lines.append(f"  activations + CUDA overhead (estimate)      {self.activation_bytes / GiB:9.2f} GiB")
         lines.append(f"  KV cache budget                             {max(self.kv_budget, 0) / GiB:9.2f} GiB "
                      f"({self.kv_bytes_per_token / 1024:.1f} KiB per token)")
+        lines += self.kv_groups
         if self.kv_tokens:
             lines.append(f"  KV capacity {self.kv_tokens} tokens; max concurrency at --max-model-len "
                          f"{self.max_model_len}: {self.kv_tokens / self.max_model_len:.2f}x")
@@ -161,6 +165,7 @@ def plan_memory(
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
     config_only = path.is_file() or (path.is_dir() and not any(any(path.glob(g)) for g in WEIGHT_FILES))
+    config_only = config_only or not _servable(path)
     if config_only:
         config_path = path if path.is_file() else path / "config.json"
         config = read_config_file(config_path)
@@ -182,8 +187,8 @@ def plan_memory(
         with torch.device("meta"):
             model = info.model_class(info.config, dtype)
     groups = group_layers(model.kv_cache_specs())
-    kv_per_token = sum(g.bytes_per_block(block_size) for g in groups) // block_size
     max_len = max_model_len or model.max_position_embeddings
+    kv_per_token, kv_min = _kv_geometry(groups, block_size, max_len)
     activation = 0
     if device == "cuda":
         if device_bytes is None:
@@ -193,7 +198,6 @@ def plan_memory(
         activation = CUDA_OVERHEAD + _activation_estimate(config, min(max_num_batched_tokens, max_len),
                                                           max_num_seqs, elem)
     offload = offload or OffloadConfig()
-    kv_min = -(-max_len // block_size) * block_size * kv_per_token  # one --max-model-len request
     drafter = drafter_bytes(spec, path, elem) if spec is not None and not config_only else 0
     if drafter:
         weights["speculative drafter"] = drafter
@@ -220,7 +224,7 @@ def plan_memory(
         )
     kv_tokens = 0
     try:
-        kv_tokens = kv_blocks(budget, kv_per_token * block_size, max_len, block_size, max_num_seqs) * block_size
+        kv_tokens = _kv_capacity(groups, budget, block_size, max_len, max_num_seqs)
     except MemoryError as e:
         if not placement.problems:  # the placement's message already says the KV cache does not fit
             problems.append(str(e))
@@ -234,7 +238,74 @@ def plan_memory(
         problems += offload_problems[len(placement.problems):]
     return MemoryPlan(path, model_type, dtype, device, weights, kv_per_token, max_len,
                       max_num_seqs, device_bytes, activation, budget, kv_tokens, problems, config_only,
-                      placement, machine, tuple(offload_problems))
+                      placement, machine, tuple(offload_problems), _group_lines(groups, block_size, max_len))
+
+
+def _servable(model_dir: Path) -> bool:
+    """False for an architecture the loader does not load yet: its checkpoint's key layout is not
+    checked, the plan comes from its config.json."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return True  # inspect_checkpoint says what is missing
+    try:
+        return get_model_class(read_config_file(path).get("model_type", "")).servable
+    except (ValueError, CheckpointError):
+        return True  # an unknown model_type: the checkpoint path reports it
+
+
+def _one_kind(groups: tuple[CacheGroup, ...]) -> bool:
+    return all(g.spec.kind == "full" for g in groups)
+
+
+def _kv_geometry(groups: tuple[CacheGroup, ...], block_size: int, max_len: int) -> tuple[int, int]:
+    """(bytes per token of context, bytes of one --max-model-len request's cache)."""
+    if _one_kind(groups):
+        per_token = sum(g.bytes_per_block(block_size) for g in groups) // block_size
+        return per_token, -(-max_len // block_size) * block_size * per_token
+    return math.ceil(kv_bytes_per_token(groups)), sum(kv_cache_bytes(groups, block_size, max_len))
+
+
+def _kv_capacity(groups: tuple[CacheGroup, ...], budget: int, block_size: int, max_len: int,
+                 max_num_seqs: int) -> int:
+    """Tokens of context the budget holds over `max_num_seqs` requests; MemoryError (naming the
+    flags) when one --max-model-len request does not fit."""
+    if _one_kind(groups):
+        per_block = sum(g.bytes_per_block(block_size) for g in groups)
+        return kv_blocks(budget, per_block, max_len, block_size, max_num_seqs) * block_size
+    need = sum(kv_cache_bytes(groups, block_size, max_len))
+    if need > budget:
+        raise MemoryError(f"KV cache needs {need / GiB:.2f} GiB for one request at --max-model-len {max_len} but "
+                          f"the budget leaves {max(budget, 0) / GiB:.2f} GiB; lower --max-model-len or raise "
+                          "--kv-cache-memory / --gpu-memory-utilization")
+    lo, hi = max_len, max_len * max_num_seqs  # the most tokens whose caches fit, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        fits = sum(kv_cache_bytes(groups, block_size, mid, min(max_num_seqs, -(-mid // max_len)))) <= budget
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    return lo
+
+
+def _group_lines(groups: tuple[CacheGroup, ...], block_size: int, max_len: int) -> tuple[str, ...]:
+    """The per-group cost and the 1M-token cache, for models with more than full-attention caches."""
+    if _one_kind(groups):
+        return ()
+    lines = ["  KV cache groups:"]
+    for g in groups:
+        sp = g.spec
+        if sp.kind == "sliding_window":
+            per_request = kv_cache_bytes((g,), block_size, max_len)[0]
+            lines.append(f"    sliding window {sp.window}, {g.num_layers} layers: {per_request / 2**20:.1f} MiB a "
+                         "request, whatever its length")
+        elif sp.kind == "compressed":
+            index = f" + indexer keys ({sp.index_head_dim})" if sp.index_head_dim else ""
+            lines.append(f"    compressed 1/{sp.ratio}{index}, {g.num_layers} layers: "
+                         f"{g.num_layers * sp.bytes_per_token():.0f} B per token")
+        else:
+            lines.append(f"    full, {g.num_layers} layers: {g.num_layers * sp.bytes_per_token():.0f} B per token")
+    million = sum(kv_cache_bytes(groups, block_size, 1 << 20))
+    dtype = str(groups[0].spec.dtype).removeprefix("torch.")
+    lines.append(f"  1M tokens of context (one request): {million / GiB:.2f} GiB in {dtype}")
+    return tuple(lines)
 
 
 def drafter_bytes(spec: SpecConfig, model_dir: Path, elem: int) -> int:
