@@ -83,6 +83,107 @@ def test_matches_reference(isa, fmt):
                           bf16_intermediate=bf16 and isa == "avx512bf16" and fmt in ("bf16", "int4", "mxfp4"))
 
 
+# ---- the SwiGLU clamp (DeepSeek-V4's ClampedSwiGLU) ----------------------------------------------
+
+# With randn weights and inputs gate / up x have a std of sqrt(H) (~10 at H = 96): a limit of 4
+# clamps about a third of the gate and two thirds of the up elements.
+LIMIT = 4.0
+CLAMP_FORMATS = ("fp32", "bf16", "mxfp4")
+
+
+def _clamp_layer(fmt: str, e: int, h: int, i: int, swiglu_limit=LIMIT) -> ce.CpuExpertLayer:
+    weights = _weights(e, h, i)
+    if fmt == "mxfp4":  # the checkpoint path
+        return ce.CpuExpertLayer.from_mxfp4(*[ce.quantize_mxfp4(w) for w in weights], swiglu_limit=swiglu_limit)
+    return ce.CpuExpertLayer.from_dense(*weights, fmt, swiglu_limit=swiglu_limit)
+
+
+def _clamped_share(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, limit: float) -> float:
+    """The share of the gate / up elements [E, T, I] of every token under every expert that the clamp changes."""
+    g, u = x.float() @ gate.transpose(1, 2), x.float() @ up.transpose(1, 2)
+    return ((g > limit).sum() + (u.abs() > limit).sum()).item() / (g.numel() + u.numel())
+
+
+@pytest.mark.parametrize("fmt", CLAMP_FORMATS)
+def test_swiglu_clamp_matches_reference(isa, fmt):
+    e, h, i = 5, 96, 64
+    layer = _clamp_layer(fmt, e, h, i)
+    assert layer.swiglu_limit == LIMIT
+    dq = layer.dequantized()
+    cases = [(t, k, d) for t in (1, 17) for k in (1, 4) for d in (torch.float32, torch.bfloat16)]
+    for n, (t, k, dtype) in enumerate(cases):
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(n)).to(dtype)
+        ids, w = _routing(t, k, e, seed=n)
+        assert _clamped_share(x, dq[0], dq[1], LIMIT) > 0.2
+        ref = ce.reference_moe(x, ids, w, *dq, swiglu_limit=LIMIT)
+        unclamped = ce.reference_moe(x, ids, w, *dq)
+        scale = ref.abs().max().item()
+        assert (ref - unclamped).abs().max().item() > 0.1 * scale  # far above the tolerance below
+        y = layer(x, ids, w)
+        bf16 = dtype == torch.bfloat16
+        bf16_intermediate = bf16 and isa == "avx512bf16" and fmt in ("bf16", "mxfp4")
+        _assert_close(y, ref, bf16_out=bf16, bf16_intermediate=bf16_intermediate)
+
+
+@pytest.mark.parametrize("fmt", CLAMP_FORMATS)
+def test_swiglu_clamp_matches_clamped_swiglu(isa, fmt):
+    """The kernel against DeepSeek-V4's own expert module holding the same (dequantized) weights."""
+    from tandem.models.deepseek_v4_moe import ClampedSwiGLU
+
+    e, h, i = 4, 64, 96
+    layer = _clamp_layer(fmt, e, h, i)
+    gate, up, down = layer.dequantized()
+    experts = [ClampedSwiGLU(h, i, LIMIT) for _ in range(e)]
+    with torch.no_grad():
+        for m, g, u, d in zip(experts, gate, up, down):
+            m.gate_proj.weight.copy_(g), m.up_proj.weight.copy_(u), m.down_proj.weight.copy_(d)
+    x = torch.randn(9, h, generator=torch.Generator().manual_seed(11))
+    ids, w = _routing(9, 3, e, seed=12)
+    assert _clamped_share(x, gate, up, LIMIT) > 0.2
+    with torch.no_grad():
+        want = torch.stack([sum(w[t, j] * experts[ids[t, j]](x[t : t + 1])[0] for j in range(ids.shape[1]))
+                            for t in range(x.shape[0])])  # [T, H]
+    _assert_close(layer(x, ids, w), want, bf16_out=False, bf16_intermediate=False)
+
+
+@pytest.mark.parametrize("off", [None, 0, 0.0, math.inf])
+def test_no_swiglu_limit_is_the_plain_kernel(off):
+    """None, 0 and inf all mean no clamp: bit for bit the layer built without a limit."""
+    plain = _clamp_layer("bf16", 5, 96, 64, swiglu_limit=None)
+    layer = _clamp_layer("bf16", 5, 96, 64, swiglu_limit=off)
+    assert layer.swiglu_limit is None
+    x = torch.randn(7, 96).bfloat16()
+    ids, w = _routing(7, 4, 5, seed=13)
+    assert torch.equal(layer(x, ids, w), plain(x, ids, w))
+    dq = plain.dequantized()
+    assert torch.equal(ce.reference_moe(x, ids, w, *dq, swiglu_limit=off), ce.reference_moe(x, ids, w, *dq))
+
+
+def test_host_job_applies_the_layer_limit(isa):
+    layer = _clamp_layer("mxfp4", 5, 96, 64)
+    x = torch.randn(6, 96)
+    ids, w = _routing(6, 4, 5, seed=14)
+    out = torch.empty(6, 96)
+    job = layer.host_job(x, ids, w, out, torch.tensor([6], dtype=torch.int32))
+    job.run()
+    assert torch.equal(out, layer(x, ids, w))
+    _assert_close(out, ce.reference_moe(x, ids, w, *layer.dequantized(), swiglu_limit=LIMIT), False, False)
+
+
+def test_bad_swiglu_limit_raises():
+    layer = ce.CpuExpertLayer.from_dense(*_weights(2, 32, 32), "fp32")
+    x, ids, w = torch.randn(1, 32), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="swiglu_limit must be a positive number"):
+            ce.CpuExpertLayer.empty(2, 32, 32, "fp32", swiglu_limit=bad)
+        with pytest.raises(ValueError, match="swiglu_limit"):
+            ce.reference_moe(x, ids, w, *layer.dequantized(), swiglu_limit=bad)
+    call = layer._call(x, ids, w, torch.empty(1, 32), None)
+    call.swiglu_limit = -1.0  # the kernel refuses it too, should a caller bypass the layer
+    with pytest.raises(ValueError, match="rejected its arguments"):
+        layer._run(call)
+
+
 def test_long_batch_is_chunked(isa):
     """More tokens than one pass takes (512): the passes add up to the whole."""
     layer = ce.CpuExpertLayer.from_dense(*_weights(4, 32, 32), "fp32")

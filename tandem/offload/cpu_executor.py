@@ -154,9 +154,10 @@ class OffloadedExperts:
         for i, block in model.moe_blocks().items():
             if i in self.layers_in_ram:
                 hidden, inter = block.experts[0].down_proj.weight.shape
+                limit = getattr(block.experts[0], "limit", None)  # DeepSeek-V4's SwiGLU clamp
                 block.detach_experts()
                 self.layers[i] = cpu_experts.CpuExpertLayer.empty(block.num_experts, hidden, inter,
-                                                                  self.placement.cpu_format)
+                                                                  self.placement.cpu_format, swiglu_limit=limit)
                 if torch.cuda.is_available():
                     pin_in_place(self.layers[i].data)
         logger.info("Routed experts of %d MoE layers go to RAM as %s (%.2f GiB): CPU expert kernel %s, %d threads",

@@ -13,6 +13,9 @@ intermediate fp32 — except on ISA "avx512bf16" with a bf16 hidden state and bf
 weights, where vdpbf16ps takes the bf16 activations as they are and the intermediate is rounded to
 bf16 (as the bf16 model on the GPU rounds it); `set_isa("avx512")` keeps that path fp32.
 
+A layer built with `swiglu_limit` (DeepSeek-V4) computes ClampedSwiGLU (models/deepseek_v4_moe.py),
+silu(min(gate, limit)) * clamp(up, -limit, limit), on every ISA; without one the plain SwiGLU.
+
 The kernel library is compiled on first use (tandem/offload/cpu_build.py). Debugging switches,
 read once when it loads (results do not depend on the prefetch ones):
   TANDEM_CPU_ISA          scalar | avx2 | avx512 | avx512bf16: force an ISA;
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 
 import torch
@@ -53,6 +57,7 @@ class _Call(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p), ("expert_bytes", ctypes.c_int64),
         ("num_experts", ctypes.c_int32), ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32), ("fmt", ctypes.c_int32),
+        ("swiglu_limit", ctypes.c_float),
         ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("num_tokens", ctypes.c_void_p),
         ("rows", ctypes.c_int32), ("top_k", ctypes.c_int32),
@@ -221,21 +226,34 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _swiglu_limit(limit: float | None) -> float | None:
+    """A SwiGLU clamp limit as layers store it: None (no clamp) for None, 0 or inf, else the float."""
+    if limit is None:
+        return None
+    value = float(limit)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"swiglu_limit must be a positive number (or None, 0 or inf for no clamp), got {limit!r}")
+    return None if value == 0 or math.isinf(value) else value
+
+
 # ---- the layer ----------------------------------------------------------------------------------------
 
 
 class CpuExpertLayer:
     """One MoE layer's routed experts in RAM in the kernel layout."""
 
-    def __init__(self, data: Tensor, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str) -> None:
+    def __init__(self, data: Tensor, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str,
+                 swiglu_limit: float | None = None) -> None:
         self.data = data  # [E, bytes_per_expert] uint8, the packed experts
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.fmt = fmt
+        self.swiglu_limit = _swiglu_limit(swiglu_limit)  # None: plain SwiGLU; every call of the layer uses it
 
     @classmethod
     def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str, *,
-              pin_memory: bool = False) -> CpuExpertLayer:
-        """Room for the experts, to be filled by `set_expert` (an expert not set holds garbage)."""
+              swiglu_limit: float | None = None, pin_memory: bool = False) -> CpuExpertLayer:
+        """Room for the experts, to be filled by `set_expert` (an expert not set holds garbage).
+        `swiglu_limit` > 0 clamps the SwiGLU as ClampedSwiGLU does; None, 0 or inf: no clamp."""
         if fmt not in _FMT_CODE:
             raise ValueError(f"unknown CPU expert format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}")
         if min(num_experts, hidden_size, intermediate_size) < 1:
@@ -249,26 +267,28 @@ class CpuExpertLayer:
         data = torch.empty((num_experts, per_expert), dtype=torch.uint8, pin_memory=pin)  # [E, bytes]
         if not pin:
             _lib().tandem_advise_huge_pages(data.data_ptr(), data.numel())  # before the first touch
-        return cls(data, num_experts, hidden_size, intermediate_size, fmt)
+        return cls(data, num_experts, hidden_size, intermediate_size, fmt, swiglu_limit)
 
     @classmethod
-    def from_dense(cls, gate: Tensor, up: Tensor, down: Tensor, fmt: str, **kw) -> CpuExpertLayer:
+    def from_dense(cls, gate: Tensor, up: Tensor, down: Tensor, fmt: str, *, swiglu_limit: float | None = None,
+                   **kw) -> CpuExpertLayer:
         """gate, up [E, I, H], down [E, H, I], any float dtype."""
         if gate.dim() != 3:
             raise ValueError(f"from_dense wants gate [E, I, H], got shape {tuple(gate.shape)}")
-        layer = cls.empty(gate.shape[0], gate.shape[2], gate.shape[1], fmt, **kw)
+        layer = cls.empty(gate.shape[0], gate.shape[2], gate.shape[1], fmt, swiglu_limit=swiglu_limit, **kw)
         for e in range(layer.num_experts):
             layer.set_expert(e, gate[e], up[e], down[e])
         return layer
 
     @classmethod
-    def from_mxfp4(cls, gate: tuple[Tensor, Tensor], up: tuple[Tensor, Tensor], down: tuple[Tensor, Tensor],
-                   **kw) -> CpuExpertLayer:
+    def from_mxfp4(cls, gate: tuple[Tensor, Tensor], up: tuple[Tensor, Tensor], down: tuple[Tensor, Tensor], *,
+                   swiglu_limit: float | None = None, **kw) -> CpuExpertLayer:
         """Each a (blocks uint8 [E, out, in/2], scales uint8 [E, out, in/32]) pair, kept as stored."""
         blocks = gate[0]
         if blocks.dim() != 3:
             raise ValueError(f"from_mxfp4 wants gate blocks [E, I, H/2], got shape {tuple(blocks.shape)}")
-        layer = cls.empty(blocks.shape[0], blocks.shape[2] * 2, blocks.shape[1], "mxfp4", **kw)
+        layer = cls.empty(blocks.shape[0], blocks.shape[2] * 2, blocks.shape[1], "mxfp4", swiglu_limit=swiglu_limit,
+                          **kw)
         for e in range(layer.num_experts):
             layer.set_expert_mxfp4(e, (gate[0][e], gate[1][e]), (up[0][e], up[1][e]), (down[0][e], down[1][e]))
         return layer
@@ -398,7 +418,8 @@ class CpuExpertLayer:
     def _call(self, hidden: Tensor, ids: Tensor, weights: Tensor, out: Tensor, num_tokens: Tensor | None) -> _Call:
         return _Call(
             self.data.data_ptr(), self.bytes_per_expert, self.num_experts, self.hidden_size, self.intermediate_size,
-            _FMT_CODE[self.fmt], hidden.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+            _FMT_CODE[self.fmt], self.swiglu_limit or 0.0,  # 0: no clamp
+            hidden.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
             None if num_tokens is None else num_tokens.data_ptr(), hidden.shape[0], ids.shape[1],
             _DTYPE_CODE[hidden.dtype], _DTYPE_CODE[ids.dtype], _DTYPE_CODE[weights.dtype], 0, 0)
 
@@ -444,15 +465,20 @@ class HostJob:
 
 
 def reference_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate: Tensor, up: Tensor,
-                  down: Tensor) -> Tensor:
+                  down: Tensor, swiglu_limit: float | None = None) -> Tensor:
     """Plain torch in fp32 with the weights as given (pass `dequantized()` ones): [T, H] float32,
-    sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = ids[t, j]."""
+    sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = ids[t, j]; with `swiglu_limit` (as the
+    layer takes it) gate_e x is clamped to <= limit and up_e x to [-limit, limit] first."""
+    limit = _swiglu_limit(swiglu_limit)
     x = hidden.float()
     w = topk_weights.float()
     out = torch.zeros(x.shape[0], down.shape[1])
     for e in topk_ids.unique().tolist():
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
         h = x[tok]  # [n, H]
-        y = (F.silu(h @ gate[e].float().T) * (h @ up[e].float().T)) @ down[e].float().T  # [n, H]
+        g, u = h @ gate[e].float().T, h @ up[e].float().T  # [n, I]
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        y = (F.silu(g) * u) @ down[e].float().T  # [n, H]
         out.index_add_(0, tok, y * w[tok, slot, None])
     return out

@@ -7,7 +7,8 @@
 //   phase 0: each thread gathers its pairs' activations, column-major per expert ([H][n_e]);
 //   phase 1: the active experts' gate/up tiles, concatenated, split over the threads by cost
 //            (a tile costs its bytes plus a share per token); a tile is 8 gate and the 8 matching
-//            up rows, so SwiGLU is applied at once -> intermediate [I][n_e];
+//            up rows, so SwiGLU (clamped when the layer has a limit) is applied at once, for
+//            every ISA alike -> intermediate [I][n_e];
 //   phase 2: the output rows split over the threads; each thread runs every active expert's
 //            down tiles of its rows and accumulates weight * result, experts ascending.
 // Every weight is loaded once per call and applied to all its expert's tokens; each output
@@ -300,7 +301,13 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
     return uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
 }
-inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+// silu(g) * u; limit > 0 clamps first, as DeepSeek-V4's ClampedSwiGLU (models/deepseek_v4_moe.py):
+// silu(min(g, limit)) * clamp(u, -limit, limit). NaN stays NaN, as in torch.clamp. limit 0: the
+// plain SwiGLU, bit for bit.
+inline float swiglu(float g, float u, float limit) {
+    if (limit > 0.0f) g = std::min(g, limit), u = std::min(std::max(u, -limit), limit);
+    return g / (1.0f + std::exp(-g)) * u;
+}
 
 }  // namespace
 }  // namespace tandem
@@ -317,6 +324,7 @@ struct tandem_call {
     const uint8_t* data;  // [E, expert_bytes] packed experts
     int64_t expert_bytes;
     int32_t num_experts, hidden, inter, fmt;
+    float swiglu_limit;   // > 0: the SwiGLU clamp (swiglu()); 0: none
     const void* x;        // [rows, H] f32 / bf16
     const void* ids;      // [rows, k] i32 / i64
     const void* weights;  // [rows, k] f32 / bf16
@@ -414,6 +422,7 @@ const uint8_t* first_down_tile(const Plan& p, int tid, int nthreads) {
 
 void phase1_gate_up(const Plan& p, int tid) {
     float out[kTokensPerCall * kRows];
+    const float limit = p.c->swiglu_limit;
     int a = 0;
     for (int64_t tile = p.split[tid]; tile < p.split[tid + 1]; ++tile) {
         while (tile >= (a + 1) * p.g.tiles1) ++a;
@@ -427,7 +436,7 @@ void phase1_gate_up(const Plan& p, int tid) {
             p.fn(w, p.g.nb_h, x + c0, n, cnt, out);
             for (int t = 0; t < cnt; ++t)
                 for (int i = 0; i < kRows / 2; ++i) {
-                    float v = silu_mul(out[t * kRows + i], out[t * kRows + kRows / 2 + i]);
+                    float v = swiglu(out[t * kRows + i], out[t * kRows + kRows / 2 + i], limit);
                     int64_t row = jt * kRows / 2 + i;  // intermediate index
                     if (p.bf16_acts) {  // the bf16 half of pair row / 2
                         const uint16_t h = float_to_bf16(v);
@@ -532,7 +541,8 @@ bool route(Plan& p, int nthreads) {
 int run_call(tandem_call* c) {
     State& s = state();
     if (c->fmt < 0 || c->fmt >= FMT_COUNT || c->top_k < 1 || c->rows < 0 || c->x_dtype > DT_BF16 ||
-        c->w_dtype > DT_BF16 || (c->ids_dtype != DT_I32 && c->ids_dtype != DT_I64))
+        c->w_dtype > DT_BF16 || (c->ids_dtype != DT_I32 && c->ids_dtype != DT_I64) ||
+        !(c->swiglu_limit >= 0.0f))  // NaN or negative
         return ST_BAD_ARGS;
     const int64_t T = c->num_tokens ? *c->num_tokens : c->rows;
     if (T < 0 || T > c->rows) return c->bad_value = T, ST_BAD_COUNT;
