@@ -202,3 +202,30 @@ def test_a_v4_checkpoint_is_planned_but_not_served(tmp_path) -> None:
     assert plan.fits and plan.from_config_only and plan.kv_groups
     with pytest.raises(CheckpointError, match="can be planned .* but not served yet"):
         LLM(str(path), device="cpu")
+
+
+def test_routed_experts_on_the_cpu_kernel_give_the_same_logits() -> None:
+    """The offload path on a V4 model (fp32, CPU): experts detached, packed from the state dict
+    one tensor at a time as the loader would, run by the CPU kernel with the SwiGLU clamp."""
+    pytest.importorskip("tandem.offload.cpu_experts")
+    from tandem.config import OffloadConfig
+    from tandem.offload.cpu_executor import CpuMoEExecutor, OffloadedExperts
+    from tandem.offload.placement import plan_placement
+
+    _, model, length = _models("hash")
+    ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model.forward_full(ids)
+    tensors = {n: t.clone() for n, t in model.state_dict().items() if ".experts." in n and "shared" not in n}
+    sink = OffloadedExperts(plan_placement(model, torch.float32, OffloadConfig(cpu_moe=True), None, 0))
+    sink.prepare(model)
+    assert not any(".experts." in n and "shared" not in n for n in model.state_dict())
+    for name, tensor in tensors.items():
+        assert sink.wants(name)
+        sink.take(name, tensor)
+    sink.install(model, torch.device("cpu"), torch.float32)
+    blocks = model.moe_blocks().values()
+    assert all(isinstance(b.executor, CpuMoEExecutor) and b.executor.layer.swiglu_limit == BASE["swiglu_limit"]
+               for b in blocks)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_full(ids), want, rtol=1e-4, atol=1e-4)

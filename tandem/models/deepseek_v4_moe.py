@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models.layers.moe import MoEExecutor, make_moe_executor
+from tandem.models.layers.moe import MoEExecutor, RoutedExperts, make_moe_executor
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
@@ -88,7 +88,7 @@ class Router(nn.Module):
         return ids, weights.to(hidden.dtype)
 
 
-class DeepseekV4MoE(nn.Module):
+class DeepseekV4MoE(RoutedExperts, nn.Module):
     """routed experts (through the executor) + one always-on shared expert; [T, H] -> [T, H]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -103,9 +103,6 @@ class DeepseekV4MoE(nn.Module):
         self.shared_experts = ClampedSwiGLU(hidden_size, intermediate_size, swiglu_limit)
         # A plain attribute (not a submodule): parameters keep their checkpoint names.
         self.executor: MoEExecutor = make_moe_executor(executor, self.experts)
-
-    def set_executor(self, executor: MoEExecutor) -> None:
-        self.executor = executor
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], input_ids [T] (hash routing reads them) -> [T, H]."""

@@ -89,7 +89,30 @@ def _detached(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     raise RuntimeError("this MoE block's experts were detached for offloading but no executor was installed")
 
 
-class SparseMoeBlock(nn.Module):
+class RoutedExperts:
+    """What an MoE block offers the offload planner and loader: its `experts` ModuleList, the
+    `executor` that runs them, and a way to detach them (a mixin for nn.Module blocks)."""
+
+    experts: nn.ModuleList
+    executor: MoEExecutor
+
+    def set_executor(self, executor: MoEExecutor) -> None:
+        self.executor = executor
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the routed experts live elsewhere (RAM: see tandem/offload/), out of this module."""
+        return len(self.experts) == 0
+
+    def detach_experts(self) -> None:
+        """Drop the expert modules (call on the meta model, before it is materialised): their weights
+        are loaded into an offloaded executor instead, so they take no device memory and no
+        state_dict entries. Until `set_executor` installs that executor the block cannot run."""
+        self.experts = nn.ModuleList()
+        self.executor = _detached
+
+
+class SparseMoeBlock(RoutedExperts, nn.Module):
     """Router `gate` (Linear H -> E, no bias) -> softmax (float32) -> top-k, renormalised over the
     chosen k when `norm_topk_prob`; then the routed experts through the executor."""
 
@@ -113,21 +136,6 @@ class SparseMoeBlock(nn.Module):
         )
         # A plain attribute (not a submodule): parameters keep their checkpoint names.
         self.executor: MoEExecutor = make_moe_executor(executor, self.experts)
-
-    def set_executor(self, executor: MoEExecutor) -> None:
-        self.executor = executor
-
-    @property
-    def offloaded(self) -> bool:
-        """Whether the routed experts live elsewhere (RAM: see tandem/offload/), out of this module."""
-        return len(self.experts) == 0
-
-    def detach_experts(self) -> None:
-        """Drop the expert modules (call on the meta model, before it is materialised): their weights
-        are loaded into an offloaded executor instead, so they take no device memory and no
-        state_dict entries. Until `set_executor` installs that executor the block cannot run."""
-        self.experts = nn.ModuleList()
-        self.executor = _detached
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in hidden's dtype)."""
