@@ -29,9 +29,9 @@ from tandem.engine.structured import StepMasks, StructuredOutputs
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
 from tandem.models.base import CausalLM
-from tandem.models.loader import check_servable, load_checkpoint
+from tandem.models.loader import CheckpointInfo, check_servable, inspect_checkpoint, load_checkpoint
 from tandem.offload.cpu_executor import OffloadedExperts
-from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, kv_blocks, plan_memory
+from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, gpu_weight_bytes, kv_blocks, plan_memory
 from tandem.spec.controller import SpecDecoder
 from tandem.spec.proposer import Draft
 from tandem.spec.verify import VerifyResult, accept_greedy, is_plain_greedy, verify
@@ -89,8 +89,10 @@ class LLMEngine:
                     ", ".join(f"{k} {v}" for k, v in defaults.items()) or "Tandem's own", mc.generation_config)
         self.model_name = mc.served_model_name or Path(mc.model).resolve().name
         if model is None:
-            sink = self._plan_placement()  # validates every file, plans where experts go
-            model = load_checkpoint(mc.model, mc.dtype, self.device, sink=sink)[0]
+            check_servable(mc.model)
+            info = inspect_checkpoint(mc.model)  # validates every file before memory is touched
+            sink = self._plan_placement(info)  # where the routed experts go
+            model = load_checkpoint(mc.model, mc.dtype, self.device, sink=sink, info=info)[0]
         self.model = model
         self.runner_config = config.runner.resolve(self.device.type, mc.dtype)
         self._set_cpu_threads()
@@ -201,24 +203,22 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.capture(max_num_seqs, self.max_model_len)
 
-    def _plan_placement(self) -> OffloadedExperts | None:
+    def _plan_placement(self, info: CheckpointInfo) -> OffloadedExperts | None:
         """Plan where the routed experts go (tandem/offload/placement.py) before memory is touched;
         refuse, naming the shortfall and the flag, a placement that fits neither GPU nor RAM.
         Returns the loader's hook for experts in RAM, or None when they all stay on the device."""
         cfg, mc = self.config, self.config.model
-        check_servable(mc.model)
         plan = plan_memory(
             mc.model, mc.dtype, self.device.type, max_model_len=mc.max_model_len,
             max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             block_size=cfg.cache.block_size, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
-            offload=cfg.offload, spec=cfg.spec,
+            offload=cfg.offload, spec=cfg.spec, info=info,
         )
         placement = plan.placement
         assert placement is not None, "plan_memory always places the experts"
         if plan.offload_problems:
             raise MemoryError("; ".join(plan.offload_problems))
-        gpu_bytes = sum(v for k, v in plan.weights.items() if "in RAM" not in k and k != "speculative drafter")
-        self._check_weights_fit(gpu_bytes)
+        self._check_weights_fit(gpu_weight_bytes(plan.weights))
         if placement.num_experts:
             logger.info("Expert placement: %s", placement.reason)
         if not placement.offloaded:

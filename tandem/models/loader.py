@@ -430,15 +430,24 @@ class TensorSink(Protocol):
         """After every tensor was read."""
 
 
-def check_servable(model_dir: str | Path) -> None:
-    """CheckpointError (one line) when config.json names an architecture Tandem can plan but not run."""
+def unservable_model_type(model_dir: str | Path) -> str | None:
+    """config.json's model_type when it names an architecture Tandem can plan but not run yet, else
+    None (a missing file or an unknown model_type is reported where the checkpoint is read)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        return  # inspect_checkpoint says what is missing
-    model_type = supported_model_type(read_config_file(path), path)
-    if not get_model_class(model_type).servable:
-        raise CheckpointError(f"{path}: model_type {model_type!r} can be planned (`tandem plan`) but not served yet: "
-                              "its paged-cache forward is still being built")
+        return None
+    model_type = read_config_file(path).get("model_type")
+    if model_type not in supported_model_types() or get_model_class(model_type).servable:
+        return None
+    return model_type
+
+
+def check_servable(model_dir: str | Path) -> None:
+    """CheckpointError (one line) when config.json names an architecture Tandem can plan but not run."""
+    model_type = unservable_model_type(model_dir)
+    if model_type is not None:
+        raise CheckpointError(f"{Path(model_dir) / 'config.json'}: model_type {model_type!r} can be planned "
+                              "(`tandem plan`) but not served yet: its paged-cache forward is still being built")
 
 
 @torch.no_grad()
@@ -449,15 +458,17 @@ def load_checkpoint(
     *,
     progress: bool = True,
     sink: TensorSink | None = None,
+    info: CheckpointInfo | None = None,
 ) -> tuple[CausalLM, LoadReport]:
-    """Validate (see `inspect_checkpoint`), then build the model on `device` in `dtype` and fill it.
+    """Validate (see `inspect_checkpoint`; `info`: the caller's inspection of `model_dir`, not
+    repeated), then build the model on `device` in `dtype` and fill it.
 
     Floating-point checkpoint tensors are converted to `dtype`; the tensors `sink` wants go to it
     instead. The model is returned in eval mode with no KV cache bound.
     """
     start = time.perf_counter()
     check_servable(model_dir)
-    info = inspect_checkpoint(model_dir)
+    info = info if info is not None else inspect_checkpoint(model_dir)
     model = build_meta_model(info.model_class, info.config, dtype, info.model_dir / "config.json")
     if sink is not None:
         sink.prepare(model)

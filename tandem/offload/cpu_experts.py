@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tandem.config import usable_cpus
 from tandem.offload.cpu_build import CpuKernelBuildError, load_library
 
 __all__ = [
@@ -83,7 +84,7 @@ def _lib() -> ctypes.CDLL:
         fn.argtypes, fn.restype = args, res
     # One core stays free for the thread that drives the GPU (with every core busy a peer
     # kernel stalled at 8 ms per call).
-    lib.tandem_set_threads(max(1, len(os.sched_getaffinity(0)) - 1))
+    lib.tandem_set_threads(max(1, usable_cpus() - 1))
     lib.tandem_set_isa(lib.tandem_best_isa())
     forced = os.environ.get("TANDEM_CPU_ISA")  # debugging switch
     if forced:

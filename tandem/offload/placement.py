@@ -60,6 +60,7 @@ class LayerPlacement:
     experts_on: str | None  # "gpu" | "cpu" (None: a dense layer)
     gpu_bytes: int  # attention, norms, router, dense MLP, and the experts when on the GPU
     cpu_bytes: int  # routed experts in RAM, in the CPU format
+    expert_bytes: int = 0  # the layer's routed experts in the run dtype, wherever they are
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,11 @@ class Placement:
     @property
     def cpu_bytes(self) -> int:
         return sum(p.cpu_bytes for p in self.layers)
+
+    @property
+    def gpu_expert_bytes(self) -> int:
+        """Routed experts that stay on the GPU (run dtype)."""
+        return sum(p.expert_bytes for p in self.layers if p.experts_on == "gpu")
 
     @property
     def lossy(self) -> bool:
@@ -140,15 +146,14 @@ class Placement:
         non-expert weight but the embedding table, and each touched expert once."""
         touched = self.distinct_experts(batch)
         per_cpu = expert_bytes(self.cpu_format, self.hidden_size, self.inter_size) if self.offloaded else 0
-        per_gpu = 3 * self.hidden_size * self.inter_size * self.run_elem
         gpu = self.global_gpu_bytes // 2  # the lm_head (an embedding lookup reads a few rows)
         cpu = 0
         for p in self.layers:
             if p.experts_on == "cpu":
                 gpu += p.gpu_bytes
                 cpu += int(touched * per_cpu)
-            elif p.experts_on == "gpu":
-                gpu += p.gpu_bytes - self.num_experts * per_gpu + int(touched * per_gpu)
+            elif p.experts_on == "gpu":  # the touched experts only
+                gpu += p.gpu_bytes - p.expert_bytes + int(touched * p.expert_bytes / self.num_experts)
             else:
                 gpu += p.gpu_bytes
         return gpu, cpu
@@ -199,7 +204,8 @@ def plan_placement(
             on_cpu = i in cpu and i in blocks
             gpu = other.get(i, 0) + (0 if on_cpu else experts.get(i, 0))
             ram = blocks[i].num_experts * per_cpu if on_cpu else 0
-            layers.append(LayerPlacement(i, i in blocks, ("cpu" if on_cpu else "gpu") if i in blocks else None, gpu, ram))
+            layers.append(LayerPlacement(i, i in blocks, ("cpu" if on_cpu else "gpu") if i in blocks else None, gpu, ram,
+                                         experts.get(i, 0)))
         return Placement(tuple(layers), fmt, reason, outside, num_experts, top_k, hidden, inter, elem, problems)
 
     resident = offload.gpu_resident_moe_layers

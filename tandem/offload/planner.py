@@ -21,14 +21,15 @@ from tandem.config import OffloadConfig, SpecConfig
 from tandem.kv.groups import kv_bytes_per_token, kv_cache_bytes
 from tandem.kv.spec import CacheGroup, group_layers
 from tandem.models.loader import (
-    LAYER_INDEX,
     CheckpointError,
+    CheckpointInfo,
     available_host_memory,
     build_meta_model,
     check_config,
     inspect_checkpoint,
     read_config_file,
     read_safetensors_header,
+    unservable_model_type,
     supported_model_type,
 )
 from tandem.models.registry import get_model_class
@@ -37,6 +38,7 @@ from tandem.offload.placement import Placement, plan_placement, predict_decode_s
 from tandem.tokenizer import Tokenizer, TokenizerError
 
 GiB = 1024**3
+DRAFTER = "speculative drafter"  # the weights category of a draft model / DSpark drafter
 DEFAULT_CPU_KV_MEMORY = 4 * GiB  # as vLLM's CPU backend: KV space is a fixed budget on CPU
 CUDA_OVERHEAD = GiB // 2  # CUDA context, cuBLAS workspaces and allocator slack (estimate)
 # A directory with none of these is planned from its config.json alone (one with weights in a
@@ -153,6 +155,7 @@ def plan_memory(
     offload: OffloadConfig | None = None,
     machine: MachineConstants | None = None,
     spec: SpecConfig | None = None,
+    info: CheckpointInfo | None = None,
 ) -> MemoryPlan:
     """Plan without touching device memory. On CUDA, `device_bytes` is the GPU's memory (the
     current device's when None). `model_dir` is a checkpoint directory, or a config.json (a file,
@@ -160,12 +163,14 @@ def plan_memory(
     docstring). A checkpoint `tandem serve` would refuse (its weights, config.json or tokenizer
     files) raises CheckpointError with the same one-line message. `offload` says which routed
     experts may go to RAM (see placement.py); `machine` (measured bandwidths) adds a predicted
-    decode speed; a draft model or DSpark drafter in `spec` takes its weights' share of the GPU."""
+    decode speed; a draft model or DSpark drafter in `spec` takes its weights' share of the GPU.
+    `info` is the caller's inspection of the checkpoint (the engine's, its tokenizer already read):
+    not repeated."""
     path = Path(model_dir)
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
     config_only = path.is_file() or (path.is_dir() and not any(any(path.glob(g)) for g in WEIGHT_FILES))
-    config_only = config_only or not _servable(path)
+    config_only = config_only or (info is None and unservable_model_type(path) is not None)
     if config_only:
         config_path = path if path.is_file() else path / "config.json"
         config = read_config_file(config_path)
@@ -175,11 +180,12 @@ def plan_memory(
         for name, p in model.named_parameters():  # shared (tied) parameters once
             weights[_category(name)] = weights.get(_category(name), 0) + p.numel() * elem
     else:
-        info = inspect_checkpoint(path)  # validates the checkpoint; builds only a meta model
-        try:
-            Tokenizer.from_dir(path)  # as the engine does first: generation_config.json's defaults too
-        except TokenizerError as e:
-            raise CheckpointError(str(e)) from None
+        if info is None:
+            info = inspect_checkpoint(path)  # validates the checkpoint; builds only a meta model
+            try:
+                Tokenizer.from_dir(path)  # as the engine does first: generation_config.json's defaults too
+            except TokenizerError as e:
+                raise CheckpointError(str(e)) from None
         config, model_type = info.config, info.model_type
         for name, entry in info.tensors.items():
             if name not in info.unused:
@@ -200,16 +206,16 @@ def plan_memory(
     offload = offload or OffloadConfig()
     drafter = drafter_bytes(spec, path, elem) if spec is not None and not config_only else 0
     if drafter:
-        weights["speculative drafter"] = drafter
+        weights[DRAFTER] = drafter
     gpu_budget = int(gpu_memory_utilization * device_bytes) - activation - drafter if device == "cuda" else None
     placement = plan_placement(model, dtype, offload, gpu_budget, kv_min)
     problems = list(placement.problems)
     if placement.offloaded:  # the experts' bytes in RAM, in the CPU format
-        weights["routed experts on the GPU"] = weights.pop("routed experts", 0) - sum(
-            n for name, n in _expert_sizes(model, elem) if _layer_of(name) in placement.cpu_layers)
+        weights.pop("routed experts", None)
+        weights["routed experts on the GPU"] = placement.gpu_expert_bytes
         weights[f"routed experts in RAM ({placement.cpu_format})"] = placement.cpu_bytes
         weights = {k: v for k, v in weights.items() if v}
-    on_device = sum(v for k, v in weights.items() if "in RAM" not in k) - drafter  # (gpu_budget has it)
+    on_device = gpu_weight_bytes(weights)  # (gpu_budget already has the drafter)
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif device == "cuda":
@@ -241,16 +247,9 @@ def plan_memory(
                       placement, machine, tuple(offload_problems), _group_lines(groups, block_size, max_len))
 
 
-def _servable(model_dir: Path) -> bool:
-    """False for an architecture the loader does not load yet: its checkpoint's key layout is not
-    checked, the plan comes from its config.json."""
-    path = model_dir / "config.json"
-    if not path.is_file():
-        return True  # inspect_checkpoint says what is missing
-    try:
-        return get_model_class(read_config_file(path).get("model_type", "")).servable
-    except (ValueError, CheckpointError):
-        return True  # an unknown model_type: the checkpoint path reports it
+def gpu_weight_bytes(weights: dict[str, int]) -> int:
+    """The target's weights on the device: every category but the experts in RAM and the drafter."""
+    return sum(v for k, v in weights.items() if "in RAM" not in k and k != DRAFTER)
 
 
 def _one_kind(groups: tuple[CacheGroup, ...]) -> bool:
@@ -318,15 +317,6 @@ def drafter_bytes(spec: SpecConfig, model_dir: Path, elem: int) -> int:
 
     files = sorted(drafter_dir(spec, str(model_dir), sub).glob("*.safetensors"))
     return sum(math.prod(t.shape) * elem for f in files for t in read_safetensors_header(f).values())
-
-
-def _layer_of(name: str) -> int | None:
-    m = LAYER_INDEX.search(name)
-    return int(m.group(1)) if m else None
-
-
-def _expert_sizes(model: torch.nn.Module, elem: int) -> list[tuple[str, int]]:
-    return [(name, p.numel() * elem) for name, p in model.named_parameters() if ".experts." in name]
 
 
 def _host_memory_problems(weights_bytes: int, kv_bytes: int, cpu_memory: int | None = None) -> list[str]:
