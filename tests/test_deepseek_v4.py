@@ -192,18 +192,6 @@ def test_plan_of_deepseek_v4_flash_from_its_config(tmp_path) -> None:
     assert plan.kv_tokens >= 1 << 20
 
 
-def test_a_v4_checkpoint_is_planned_but_not_served(tmp_path) -> None:
-    from tandem import LLM
-    from tandem.models.loader import CheckpointError
-    from tandem.offload.planner import plan_memory
-
-    path = _tiny_checkpoint(tmp_path)
-    plan = plan_memory(path, torch.float32, "cpu", max_model_len=128)
-    assert plan.fits and plan.from_config_only and plan.kv_groups
-    with pytest.raises(CheckpointError, match="can be planned .* but not served yet"):
-        LLM(str(path), device="cpu")
-
-
 def test_routed_experts_on_the_cpu_kernel_give_the_same_logits() -> None:
     """The offload path on a V4 model (fp32, CPU): experts detached, packed from the state dict
     one tensor at a time as the loader would, run by the CPU kernel with the SwiGLU clamp."""

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from tandem.kv.tensors import LayerCache
 from tandem.models.loader import CheckpointError, inspect_checkpoint, load_checkpoint
 from tandem.models.registry import get_model_class, supported_model_types
 
@@ -77,8 +78,7 @@ def run_logits(model) -> torch.Tensor:
     spec = model.kv_cache_specs()[0]
     dtype = next(model.parameters()).dtype
     model.bind_kv_caches(
-        [torch.zeros(2, 4, 16, spec.num_kv_heads, spec.head_dim, dtype=dtype) for _ in model.kv_cache_specs()],
-        [0] * len(model.kv_cache_specs()),
+        [(LayerCache(0, torch.zeros(2, 4, 16, spec.num_kv_heads, spec.head_dim, dtype=dtype)),) for _ in model.kv_cache_specs()]
     )
     n = 20
     step = StepMetadata(("r",), torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),

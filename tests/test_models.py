@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tandem.engine.metadata import StepMetadata
+from tandem.kv.tensors import LayerCache
 from tandem.models.layers.moe import SparseMoeBlock, make_moe_executor, moe_executor_names
 from tandem.models.loader import load_checkpoint
 
@@ -102,7 +103,7 @@ class PagedRun:
         self.model = model
         specs = model.kv_cache_specs()
         caches = [torch.zeros(2, num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim, dtype=s.dtype) for s in specs]
-        model.bind_kv_caches(caches, [0] * len(specs))
+        model.bind_kv_caches([(LayerCache(0, c),) for c in caches])
         self.free = list(range(num_blocks))[::-1]
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tandem.kv.tensors import LayerCache
 from tandem.spec.dspark import (
     EMBED,
     FINAL_NORM,
@@ -185,7 +186,7 @@ def test_features_captured_from_tandems_serving_model_give_the_same_drafts(ref, 
              for l, layer in enumerate(model.model.layers)]
     ids = chats[2][0][0]  # [L]
     n_blocks = -(-len(ids) // bs)
-    model.bind_kv_caches([torch.zeros(2, n_blocks, bs, s.num_kv_heads, s.head_dim) for s in specs], [0] * len(specs))
+    model.bind_kv_caches([(LayerCache(0, torch.zeros(2, n_blocks, bs, s.num_kv_heads, s.head_dim)),) for s in specs])
     step = StepMetadata(request_ids=("r",), query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32),
                         seq_lens=torch.tensor([len(ids)], dtype=torch.int32),
                         block_tables=(torch.arange(n_blocks, dtype=torch.int32)[None],),

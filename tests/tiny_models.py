@@ -51,10 +51,15 @@ def save_tiny_model(out_dir: Path, kind: str = "qwen3_moe", seed: int = 0, **ove
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
+    write_tokenizer_files(out_dir)
+    return model
+
+
+def write_tokenizer_files(out_dir: Path) -> None:
+    """The built-in model's tokenizer and chat template, and a generation config with no EOS."""
     shutil.copy(TOKENIZER_JSON, out_dir / "tokenizer.json")
     template = (ASSETS / "builtin_chat_template.jinja").read_text()
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": template, "eos_token": "<|im_end|>", "bos_token": None})
     )
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
-    return model

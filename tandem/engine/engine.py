@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import numbers
 import time
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -18,7 +19,7 @@ from typing import Mapping, Sequence
 import torch
 
 from tandem.attention import get_attention_backend
-from tandem.config import EngineConfig, usable_cpus
+from tandem.config import EngineConfig, RunnerConfig, usable_cpus
 from tandem.core import ErrorKind, ParamError, Request, RequestOutput, SamplingParams, TokenLogprobs
 from tandem.engine.metrics import EngineMetrics, StatsWindow
 from tandem.engine.output import RequestState, take_token
@@ -26,12 +27,13 @@ from tandem.engine.runner import ModelRunner, allocate_kv_caches
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.structured import StepMasks, StructuredOutputs
+from tandem.kv.groups import group_blocks
 from tandem.kv.manager import KVCacheManager
-from tandem.kv.spec import group_layers
+from tandem.kv.spec import CacheGroup, group_layers
 from tandem.models.base import CausalLM
-from tandem.models.loader import CheckpointInfo, check_servable, inspect_checkpoint, load_checkpoint
+from tandem.models.loader import CheckpointInfo, inspect_checkpoint, load_checkpoint
 from tandem.offload.cpu_executor import OffloadedExperts
-from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, gpu_weight_bytes, kv_blocks, plan_memory
+from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, gpu_weight_bytes, kv_blocks, kv_capacity, plan_memory
 from tandem.spec.controller import SpecDecoder
 from tandem.spec.proposer import Draft
 from tandem.spec.verify import VerifyResult, accept_greedy, is_plain_greedy, verify
@@ -75,6 +77,24 @@ def _all_ints(values: Sequence[object]) -> bool:
     return all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
 
 
+def _fit_to_model(asked: RunnerConfig, resolved: RunnerConfig, model: CausalLM) -> RunnerConfig:
+    """The resolved runner config within what the architecture runs (`CausalLM.attention_backends`,
+    `.moe_executors`): "auto" falls back to the model's own (logged); an explicit flag outside
+    them is refused in one line."""
+    changes = {}
+    for field, flag, allowed in (("attention_backend", "--attention-backend", model.attention_backends),
+                                 ("moe_executor", "--moe-executor", model.moe_executors)):
+        value = getattr(resolved, field)
+        if allowed is None or value in allowed:
+            continue
+        name = type(model).__name__
+        if getattr(asked, field) != "auto":
+            raise ValueError(f"{flag} {value}: {name} runs only {', '.join(allowed)}")
+        logger.info("%s %s: %s runs only %s; using %s", flag, value, name, ", ".join(allowed), allowed[0])
+        changes[field] = allowed[0]
+    return replace(resolved, **changes) if changes else resolved
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         """Load the checkpoint at config.model.model. `model`, if given, is used instead of the
@@ -89,12 +109,11 @@ class LLMEngine:
                     ", ".join(f"{k} {v}" for k, v in defaults.items()) or "Tandem's own", mc.generation_config)
         self.model_name = mc.served_model_name or Path(mc.model).resolve().name
         if model is None:
-            check_servable(mc.model)
             info = inspect_checkpoint(mc.model)  # validates every file before memory is touched
             sink = self._plan_placement(info)  # where the routed experts go
             model = load_checkpoint(mc.model, mc.dtype, self.device, sink=sink, info=info)[0]
         self.model = model
-        self.runner_config = config.runner.resolve(self.device.type, mc.dtype)
+        self.runner_config = _fit_to_model(config.runner, config.runner.resolve(self.device.type, mc.dtype), model)
         self._set_cpu_threads()
         self._install_kernels()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -112,10 +131,11 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._plan_kv_blocks(groups, block_size)
         min_compute = self.spec.min_prefill_compute if self.spec else 1
-        self.kv = KVCacheManager(groups, num_blocks, block_size, config.cache.enable_prefix_caching, min_compute)
-        self.kv_caches = allocate_kv_caches(self.model, groups, num_blocks, block_size, self.device)
+        self.kv = KVCacheManager(groups, num_blocks, block_size, config.cache.enable_prefix_caching, min_compute,
+                                 num_state_slots=config.scheduler.max_num_seqs)
+        self.kv_caches = allocate_kv_caches(self.model, self.kv, self.device)
         if self.spec is not None:
-            self.spec.allocate(num_blocks, block_size, config.cache.enable_prefix_caching)
+            self.spec.allocate(self.kv.pools[0].num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.spec.aux_layers if self.spec else ())
         self._capture_graphs()
@@ -242,18 +262,27 @@ class LLMEngine:
                 f"({free / GiB:.2f} GiB free); raise it or use a smaller model"
             )
 
-    def _plan_kv_blocks(self, groups, block_size: int) -> int:  # noqa: ANN001
-        # A draft model's own KV cache holds as many blocks as the target's: they share the budget.
-        bytes_per_block = sum(g.bytes_per_block(block_size) for g in groups)
-        bytes_per_block += self.spec.kv_bytes_per_block(block_size) if self.spec else 0
-        cc = self.config.cache
+    def _plan_kv_blocks(self, groups: tuple[CacheGroup, ...], block_size: int) -> int | tuple[int, ...]:
+        """Blocks of the KV budget: one count for full-attention groups; per group, sized for the
+        tokens of context the budget holds, when a model has other kinds (DeepSeek-V4)."""
+        cc, sched = self.config.cache, self.config.scheduler
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
         else:
             budget = DEFAULT_CPU_KV_MEMORY
-        return kv_blocks(budget, bytes_per_block, self.max_model_len, block_size, self.config.scheduler.max_num_seqs)
+        if all(g.spec.kind == "full" for g in groups):
+            # A draft model's own KV cache holds as many blocks as the target's: they share the budget.
+            bytes_per_block = sum(g.bytes_per_block(block_size) for g in groups)
+            bytes_per_block += self.spec.kv_bytes_per_block(block_size) if self.spec else 0
+            return kv_blocks(budget, bytes_per_block, self.max_model_len, block_size, sched.max_num_seqs)
+        if self.spec is not None and self.spec.kv_bytes_per_block(block_size):
+            raise ValueError(f"speculative method {self.config.spec.method!r} keeps a KV cache of its own, which needs "
+                             "a target with full-attention caches only; use ngram with this model")
+        step, chunk = 1 + self.config.spec.max_k, sched.max_num_batched_tokens
+        tokens = kv_capacity(groups, budget, block_size, self.max_model_len, sched.max_num_seqs, step, chunk)
+        return group_blocks(groups, block_size, tokens, sched.max_num_seqs, step, chunk)
 
     def _profile_free_gpu_memory(self) -> int:
         """Run one forward pass at the largest step size to measure activation memory, then give
@@ -263,9 +292,9 @@ class LLMEngine:
         tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         groups = group_layers(self.model.kv_cache_specs())
         bs = self.config.cache.block_size
-        scratch_blocks = -(-tokens // bs) + 1
-        kv = KVCacheManager(groups, scratch_blocks, bs, enable_prefix_caching=False)
-        allocate_kv_caches(self.model, groups, scratch_blocks, bs, self.device)
+        scratch_blocks = group_blocks(groups, bs, tokens, 1, batch_tokens=tokens)
+        kv = KVCacheManager(groups, scratch_blocks, bs, enable_prefix_caching=False, num_state_slots=1)
+        allocate_kv_caches(self.model, kv, self.device)
         req = Request("__profile__", [0] * tokens, SamplingParams(max_tokens=1))
         kv.allocate_slots(req, tokens)
         torch.cuda.synchronize(self.device)
@@ -282,13 +311,20 @@ class LLMEngine:
         # The scratch caches stay bound until the real ones replace them (allocate_kv_caches).
         return max(budget, 0)
 
-    def _log_summary(self, num_blocks: int, block_size: int) -> None:
-        capacity = num_blocks * block_size
+    def _log_summary(self, num_blocks: int | tuple[int, ...], block_size: int) -> None:
+        if isinstance(num_blocks, int):
+            capacity, blocks = num_blocks * block_size, f"{num_blocks} blocks of {block_size}"
+        else:  # per group: the context its pool covers (a sliding window's is bounded: not counted)
+            groups = self.kv.groups
+            capacity = min(n * g.spec.tokens_per_block(block_size) for n, g in zip(num_blocks, groups)
+                           if g.spec.kind != "sliding_window")
+            blocks = ", ".join(f"{g.spec.kind}{'' if g.spec.ratio == 1 else ' 1/' + str(g.spec.ratio)}: {n}"
+                               for n, g in zip(num_blocks, groups)) + f" blocks of {block_size}"
         logger.info(
             "Tandem engine ready: model %s, dtype %s, device %s, weights %.2f GiB, KV cache %d tokens "
-            "(%d blocks of %d), max model len %d, maximum concurrency at max model len: %.2fx",
+            "(%s), max model len %d, maximum concurrency at max model len: %.2fx",
             self.model_name, str(self.config.model.dtype).removeprefix("torch."), self.device,
-            self.weights_bytes / GiB, capacity, num_blocks, block_size, self.max_model_len,
+            self.weights_bytes / GiB, capacity, blocks, self.max_model_len,
             capacity / self.max_model_len,
         )
 

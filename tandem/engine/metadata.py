@@ -9,6 +9,19 @@ import torch
 
 
 @dataclass(frozen=True)
+class GroupState:
+    """A compressed cache group's per-request state for one step (host values, in request order;
+    tandem/kv/manager.py says what each is): the state slot, the overlap snapshot to copy into the
+    slot's ring before the step (-1: none) and the positional snapshot ids this step may write
+    (snapshot i holds the overlap at token (i + 1) * `StepMetadata.prefix_unit`)."""
+
+    slots: tuple[int, ...]
+    restore: tuple[int, ...]
+    snapshots: tuple[tuple[int, ...], ...]
+    null_snapshot: int  # the id placeholders read as (row `num_snapshots`: never a real one)
+
+
+@dataclass(frozen=True)
 class StepMetadata:
     """The token layout of one step.
 
@@ -28,6 +41,9 @@ class StepMetadata:
     seq_lens_cpu: tuple[int, ...]
     block_size: int
     max_query_len: int  # longest query of the step; fixed (1+K) in a captured decode graph
+    # Per cache group: its GroupState when the group is compressed, else None (empty: no such group).
+    group_states: tuple[GroupState | None, ...] = ()
+    prefix_unit: int = 0  # tokens between overlap snapshots (KVCacheManager.unit)
 
     @property
     def num_requests(self) -> int:

@@ -28,31 +28,22 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.metadata import StepMetadata
+from tandem.engine.metadata import GroupState, StepMetadata
 from tandem.engine.scheduler import ScheduledRequest
+from tandem.kv.groups import entry_slots, token_slots
 from tandem.kv.manager import KVCacheManager
-from tandem.kv.spec import CacheGroup
+from tandem.kv.tensors import LayerCache, allocate_layer_caches
 from tandem.models.base import CausalLM
 
 logger = logging.getLogger("tandem")
 
 
-def allocate_kv_caches(
-    model: CausalLM, groups: tuple[CacheGroup, ...], num_blocks: int, block_size: int, device: torch.device
-) -> list[torch.Tensor]:
-    """One [2, num_blocks + 1, block_size, Hkv, D] tensor per attention layer, bound to the model.
-    Block `num_blocks` is the padding sink of CUDA graphs; the block pool never hands it out."""
-    specs = model.kv_cache_specs()
-    caches: list[torch.Tensor] = [torch.empty(0)] * len(specs)
-    layer_group = [0] * len(specs)
-    for g, group in enumerate(groups):
-        for layer in group.layer_indices:
-            s = specs[layer]
-            caches[layer] = torch.zeros(
-                2, num_blocks + 1, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype, device=device
-            )
-            layer_group[layer] = g
-    model.bind_kv_caches(caches, layer_group)
+def allocate_kv_caches(model: CausalLM, kv: KVCacheManager, device: torch.device) -> list[tuple[LayerCache, ...]]:
+    """Every layer's cache tensors (tandem/kv/tensors.py), sized by the manager's pools and bound
+    to the model. Row `num_blocks` of each paged tensor is the padding sink of CUDA graphs; the
+    block pool never hands it out."""
+    caches = allocate_layer_caches(kv, len(model.kv_cache_specs()), device)
+    model.bind_kv_caches(caches)
     return caches
 
 
@@ -157,8 +148,28 @@ class ModelRunner:
             seq_lens_cpu=tuple(seq_lens),
             block_size=self.block_size,
             max_query_len=max(s.num_tokens for s in batch),
+            group_states=self._group_states(batch),
+            prefix_unit=self.kv.unit,
         )
         return dev(input_ids, torch.int64), dev(positions, torch.int64), step
+
+    def _group_states(self, batch: list[ScheduledRequest]) -> tuple[GroupState | None, ...]:
+        """The compressed groups' state slots and overlap snapshots of the step's requests."""
+        kv, out = self.kv, []
+        for g, group in enumerate(kv.groups):
+            if not group.spec.has_state:
+                out.append(None)
+                continue
+            rids = [s.request.request_id for s in batch]
+            restore = [kv.snapshot_to_restore(r, g, s.start) for r, s in zip(rids, batch)]
+            pool = kv.snapshot_pools[g]
+            out.append(GroupState(
+                slots=tuple(kv.state_slot(r, g) for r in rids),
+                restore=tuple(-1 if x is None else x for x in restore),
+                snapshots=tuple(tuple(kv.snapshot_ids(r, g)) for r in rids),
+                null_snapshot=pool.num_blocks if pool is not None else 0,
+            ))
+        return tuple(out)
 
     def _host_inputs(self, batch: list[ScheduledRequest]):  # noqa: ANN202 - a tuple of host lists
         bs = self.block_size
@@ -170,16 +181,20 @@ class ModelRunner:
         n_groups = len(self.kv.groups)
         slots: list[list[int]] = [[] for _ in range(n_groups)]
         tables: list[list[list[int]]] = [[] for _ in range(n_groups)]
+        kinds = [(g.spec.kind, g.spec.ratio) for g in self.kv.groups]
         for s in batch:
             req = s.request
             start, end = s.start, s.start + s.num_tokens
             input_ids.extend(req.all_token_ids[start : end - len(s.draft)])  # the request's own tokens ...
             input_ids.extend(s.draft)  # ... then the draft to verify, if any
             positions.extend(range(start, end))
-            for g in range(n_groups):
+            for g, (kind, ratio) in enumerate(kinds):
                 ids = self.kv.block_ids(req.request_id, g)
                 tables[g].append(ids)
-                slots[g].extend(ids[p // bs] * bs + p % bs for p in range(start, end))
+                if kind == "compressed":  # the entry a token's window closes, else -1
+                    slots[g].extend(entry_slots(ids, bs, ratio, start, end))
+                else:
+                    slots[g].extend(token_slots(ids, bs, start, end))
             query_start.append(query_start[-1] + s.num_tokens)
             seq_lens.append(end)
             logits_indices.extend(range(query_start[-1] - s.num_logits, query_start[-1]))

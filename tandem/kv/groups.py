@@ -44,29 +44,32 @@ def state_rows(spec: KVCacheSpec, start: int, end: int) -> list[int]:
 
 # -- budget -------------------------------------------------------------------------------------
 def group_blocks(groups: Sequence[CacheGroup], block_size: int, num_tokens: int, max_num_seqs: int = 1,
-                 step_tokens: int = 1) -> tuple[int, ...]:
+                 step_tokens: int = 1, batch_tokens: int = 0) -> tuple[int, ...]:
     """Pool size per group to hold `num_tokens` tokens of context spread over up to `max_num_seqs`
-    requests, each running up to `step_tokens` query tokens a step (a prefill chunk; 1 + K when
-    verifying). Each request may round up one block per group."""
+    requests, each running up to `step_tokens` query tokens a decode step (1 + K when verifying),
+    with up to `batch_tokens` prefill tokens in one step over all requests (the chunk budget).
+    Each request may round up one block per group. A sliding window holds, per request, the window
+    and its step, and the step's prefill chunks on top: bounded, however long the context."""
     out = []
     for g in groups:
         spec, s = g.spec, max_num_seqs
         n = spec.blocks_for(num_tokens, block_size) + s
         if spec.kind == "sliding_window":
-            n = min(n, s * spec.max_blocks_held(num_tokens, block_size, step_tokens))
+            n = min(n, s * spec.max_blocks_held(num_tokens, block_size, step_tokens) + -(-batch_tokens // block_size))
         out.append(n)
     return tuple(out)
 
 
 def kv_cache_bytes(groups: Sequence[CacheGroup], block_size: int, num_tokens: int, max_num_seqs: int = 1,
-                   step_tokens: int = 1, prefix_caching: bool = True) -> list[int]:
+                   step_tokens: int = 1, prefix_caching: bool = True, batch_tokens: int = 0) -> list[int]:
     """Memory per group for `num_tokens` tokens of context (see `group_blocks`): its pages, plus
     for compressed groups one state slot per request and, for CSA with prefix caching, one overlap
     snapshot per prefix unit. The sink row of each tensor is not counted."""
     unit = prefix_unit(groups, block_size)
     out = []
-    for g, blocks in zip(groups, group_blocks(groups, block_size, num_tokens, max_num_seqs, step_tokens)):
-        total = blocks * g.bytes_per_block(block_size) + max_num_seqs * g.state_bytes()
+    blocks = group_blocks(groups, block_size, num_tokens, max_num_seqs, step_tokens, batch_tokens)
+    for g, n in zip(groups, blocks):
+        total = n * g.bytes_per_block(block_size) + max_num_seqs * g.state_bytes()
         if prefix_caching and g.spec.overlap:
             total += (num_tokens // unit + max_num_seqs) * g.snapshot_bytes()
         out.append(total)

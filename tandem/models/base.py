@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from tandem.engine.metadata import StepMetadata
 from tandem.kv.spec import KVCacheSpec
+from tandem.kv.tensors import LayerCache
 
 
 class CausalLM(nn.Module):
@@ -19,9 +21,10 @@ class CausalLM(nn.Module):
     checkpoint against `state_dict()` shapes of a meta-device instance before touching memory.
     """
 
-    # False for an architecture `tandem plan` can size but the engine cannot run yet: loading it
-    # for serving is refused with a one-line CheckpointError.
-    servable = True
+    # Attention backends and MoE executors the architecture can run (None: every registered one).
+    # The engine refuses a flag outside them and resolves "auto" within them.
+    attention_backends: tuple[str, ...] | None = None
+    moe_executors: tuple[str, ...] | None = None
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__()
@@ -43,14 +46,22 @@ class CausalLM(nn.Module):
         """hidden [S, H] -> logits [S, V] float32."""
         raise NotImplementedError
 
-    def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One spec per attention layer, in layer order."""
+    def kv_cache_specs(self) -> list[KVCacheSpec | tuple[KVCacheSpec, ...]]:
+        """Per attention layer, in layer order, its cache spec (a tuple when a layer holds caches
+        of several kinds, as DeepSeek-V4's do)."""
         raise NotImplementedError
 
-    def bind_kv_caches(self, caches: list[torch.Tensor], groups: list[int]) -> None:
-        """Give attention layer i its cache tensor ([2, num_blocks, block_size, Hkv, D]) and the
-        index of its cache group (which block table / slot mapping of the step it reads)."""
+    def bind_kv_caches(self, caches: Sequence[tuple[LayerCache, ...]]) -> None:
+        """Give attention layer i its caches, one per group it belongs to, in the order of its
+        `kv_cache_specs` entry (tandem/kv/tensors.py: the tensors and the group index, which
+        says which block table / slot mapping of the step it reads)."""
         raise NotImplementedError
+
+    @classmethod
+    def checkpoint_name(cls, key: str) -> str:
+        """The parameter name of checkpoint tensor `key` (the loader reads the file's tensors under
+        these names); the identity where a checkpoint uses the model's names."""
+        return key
 
     @classmethod
     def ignored_checkpoint_keys(cls) -> tuple[str, ...]:

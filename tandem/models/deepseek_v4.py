@@ -12,14 +12,16 @@ keeps them fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
 per expert (`mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`, as the native checkpoint and
 Tandem's MoE executors do). `hf_state_dict_to_tandem` converts.
 
-Two reference forwards: `forward_full` (cache-free, whole sequences) and `forward_step` (packed
-chunks of several requests, each on its own `DeepseekV4State`, with `deepseek_v4_state.rollback`
-for speculative steps), equal at every position. Not registered in models/registry.py: serving
-needs the paged cache groups of part 2 to hold that state; `forward`/`kv_cache_specs` say so.
+Three forwards, equal at every position: `forward_full` (cache-free, whole sequences),
+`forward_step` (packed chunks of several requests, each on its own `DeepseekV4State`, with
+`deepseek_v4_state.rollback` for speculative steps) and `forward`, what the engine runs: the same
+incremental step on state kept in the paged cache groups of `kv_cache_specs` (deepseek_v4_paged.py).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,6 +31,8 @@ from torch import nn
 
 from tandem.engine.metadata import StepMetadata
 from tandem.kv.spec import KVCacheSpec
+from tandem.kv.tensors import LayerCache
+from tandem.models import deepseek_v4_paged as paged
 from tandem.models.base import CausalLM
 from tandem.models.deepseek_v4_attention import (
     CSA,
@@ -341,18 +345,39 @@ class DeepseekV4Model(nn.Module):
         ]
         return self.norm(self.hc_head(streams)), new_states
 
+    def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
+                      caches: Sequence[tuple[LayerCache, ...]]) -> torch.Tensor:
+        """The serving forward: packed tokens of the step's requests (input_ids [T], positions [T])
+        on the paged cache groups -> final hidden [T, H]. Each layer loads every request's state
+        from the caches, runs the incremental reference on it and stores back what it added
+        (deepseek_v4_paged.py)."""
+        requests = [paged.PagedRequest(step, r) for r in range(step.num_requests)]
+        lengths = [req.end - req.start for req in requests]
+        streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.hc_mult, -1)  # [T, N, H]
+        for layer, layer_caches in zip(self.layers, caches):
+            attn = layer.self_attn
+            states = [paged.load(attn, layer_caches, req) for req in requests]
+            streams, new_states = layer.forward_step(streams, input_ids, positions, lengths, states,
+                                                     self.rotary_emb[attn.rope_kind])
+            for req, new in zip(requests, new_states):
+                paged.store(attn, layer_caches, req, new)
+        return self.norm(self.hc_head(streams))
+
 
 class DeepseekV4ForCausalLM(CausalLM):
     args_class = DeepseekV4Args
-    # `tandem plan` sizes it (weights, expert placement, cache groups); the engine cannot run it
-    # until the paged forward over those cache groups exists.
-    servable = False
+    # Its attention runs the paged torch reference (deepseek_v4_paged.py), whatever the flag: no
+    # Triton kernel for its cache kinds yet. Its experts clamp SwiGLU, which the fused GPU executor
+    # does not (the CPU expert kernel, installed by the offload loader, does).
+    attention_backends = ("torch",)
+    moe_executors = ("torch",)
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)
         self.args = args = DeepseekV4Args.from_hf(hf_config)
         self.model = DeepseekV4Model(args)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self._caches: tuple[tuple[LayerCache, ...], ...] | None = None
         self.to(dtype)
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -381,7 +406,20 @@ class DeepseekV4ForCausalLM(CausalLM):
         return F.linear(hidden, weight).float()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
-        raise NotImplementedError("DeepSeek-V4 has no paged-cache forward yet (issue 18 part 2); use forward_full")
+        if self._caches is None:
+            raise RuntimeError("DeepSeek-V4 has no KV cache bound; call model.bind_kv_caches() first")
+        return self.model.forward_paged(input_ids, positions, step, self._caches)
+
+    def attention_layers(self) -> list[DeepseekV4Attention]:
+        """None takes a pluggable backend (see `attention_backends`)."""
+        return []
+
+    def bind_kv_caches(self, caches: Sequence[tuple[LayerCache, ...]]) -> None:
+        """Per layer: its sliding-window cache, then its compressed cache (CSA / HCA layers)."""
+        want = [len(s) for s in self.kv_cache_specs()]
+        if [len(c) for c in caches] != want:
+            raise ValueError(f"expected caches per layer {want}, got {[len(c) for c in caches]}")
+        self._caches = tuple(caches)
 
     def kv_cache_specs(self) -> list[tuple[KVCacheSpec, ...]]:
         """Per layer, its caches (tandem/kv/spec.py): every layer a sliding window of one shared
@@ -399,6 +437,16 @@ class DeepseekV4ForCausalLM(CausalLM):
             else:
                 specs.append((window,))
         return specs
+
+    @classmethod
+    def checkpoint_name(cls, key: str) -> str:
+        """DeepSeek's spelling (the native checkpoints, and what `save_pretrained` writes) -> these
+        parameter names; names already in this spelling pass through."""
+        return checkpoint_name(key)
+
+    @classmethod
+    def ignored_checkpoint_keys(cls) -> tuple[str, ...]:
+        return (*super().ignored_checkpoint_keys(), "mtp.")  # the MTP heads: speculative drafters, not served yet
 
     def moe_blocks(self) -> dict[int, DeepseekV4MoE]:
         """Layer index -> its MoE block: where the offload planner sets per-layer executors."""
@@ -422,3 +470,46 @@ def hf_state_dict_to_tandem(state: dict[str, torch.Tensor]) -> dict[str, torch.T
         else:
             out[name] = tensor
     return out
+
+
+# DeepSeek's checkpoint names -> Tandem's (transformers' in-memory names, per-expert routed experts).
+_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+        "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+        "hc_head_scale": "model.hc_head.hc_scale"}
+_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+          **{f"hc_{b}_{p}": f"{b}_hc.{p}" for b in ("attn", "ffn") for p in ("fn", "base", "scale")}}
+_ATTN = {"attn_sink": "sinks", "wq_a.weight": "q_a_proj.weight", "q_norm.weight": "q_a_norm.weight",
+         "wq_b.weight": "q_b_proj.weight", "wkv.weight": "kv_proj.weight", "norm.weight": "kv_norm.weight",
+         "wo_a.weight": "o_a_proj.weight", "wo_b.weight": "o_b_proj.weight"}
+_COMPRESSOR = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight", "ape": "position_bias",
+               "norm.weight": "kv_norm.weight"}
+_INDEXER = {"wq_b.weight": "q_b_proj.weight", "weights_proj.weight": "scorer.weights_proj.weight"}
+_SWIGLU = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+# (checkpoint prefix inside a layer, Tandem's prefix, leaf renames), most specific first
+_SCOPES = (("attn.indexer.compressor.", "self_attn.compressor.indexer.", _COMPRESSOR),
+           ("attn.indexer.", "self_attn.compressor.indexer.", _INDEXER),
+           ("attn.compressor.", "self_attn.compressor.", _COMPRESSOR),
+           ("attn.", "self_attn.", _ATTN),
+           ("ffn.gate.", "mlp.gate.", {"bias": "e_score_correction_bias", "weight": "weight", "tid2eid": "tid2eid"}))
+_LAYER_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_FFN_KEY = re.compile(r"^ffn\.(experts\.\d+|shared_experts)\.(w[123])\.weight$")
+
+
+def checkpoint_name(key: str) -> str:
+    """One checkpoint tensor name -> this model's; an unknown name passes through unchanged (the
+    loader then reports it as unexpected, by its own name)."""
+    if key in _TOP:
+        return _TOP[key]
+    m = _LAYER_KEY.match(key)
+    if m is None:
+        return key
+    layer, rest = m.groups()
+    out = _LAYER.get(rest)
+    if out is None and (ffn := _FFN_KEY.match(rest)):
+        out = f"mlp.{ffn.group(1)}.{_SWIGLU[ffn.group(2)]}.weight"
+    for prefix, target, leaves in _SCOPES if out is None else ():
+        if rest.startswith(prefix):
+            leaf = leaves.get(rest[len(prefix):])
+            out = None if leaf is None else target + leaf
+            break
+    return key if out is None else f"model.layers.{layer}.{out}"

@@ -1,7 +1,7 @@
 """DeepSeek-V4's per-request decode state, as plain tensors: what an incremental forward carries
 between steps (deepseek_v4_attention.py `DeepseekV4Attention.forward_step`), and `rollback`.
 
-Two storage shapes, which is what the paged cache groups hold (issue 18 part 2):
+Two storage shapes, which is what the paged cache groups hold (deepseek_v4_paged.py):
 
 - `TokenRows`, rows keyed by token position with a retention horizon: the sliding window's K=V
   (`[S, D]`, S <= W - 1 + max_rollback) and the compressor's per-token projections (`kv`, `gate`,

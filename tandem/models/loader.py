@@ -20,7 +20,7 @@ import re
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,6 +78,7 @@ class TensorEntry:
     dtype: str  # safetensors dtype name, e.g. "BF16"
     shape: tuple[int, ...]
     nbytes: int
+    key: str = ""  # its name in the file, where the model names it otherwise (CausalLM.checkpoint_name)
 
 
 @dataclass(frozen=True)
@@ -318,6 +319,18 @@ def _read_tensor_index(files: tuple[Path, ...], weight_map: dict[str, str] | Non
     return tensors
 
 
+def _model_names(cls: type[CausalLM], tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """The tensor index under the model's parameter names (`checkpoint_name`), each entry keeping
+    its name in the file."""
+    out: dict[str, TensorEntry] = {}
+    for key, entry in tensors.items():
+        name = cls.checkpoint_name(key)
+        if name in out:
+            raise CheckpointError(f"{entry.file}: tensors {out[name].key or name} and {key} are both {name}")
+        out[name] = replace(entry, key=key) if name != key else entry
+    return out
+
+
 def build_meta_model(cls: type[CausalLM], config: dict[str, Any], dtype: torch.dtype, config_path: Path) -> CausalLM:
     """The model config.json describes, on the meta device (no memory); CheckpointError naming the
     file when the architecture refuses the config."""
@@ -367,7 +380,7 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{model_dir / 'tokenizer.json'}: missing tokenizer.json")
     model_type = supported_model_type(config, model_dir / "config.json")
     files, weight_map = _weight_files(model_dir)
-    tensors = _read_tensor_index(files, weight_map)
+    tensors = _model_names(get_model_class(model_type), _read_tensor_index(files, weight_map))
     check_layout(config, tensors, model_dir)  # first: a config for other weights is the likelier cause
     check_config(config, model_dir / "config.json")
     model = build_meta_model(get_model_class(model_type), config, torch.float32, model_dir / "config.json")
@@ -430,26 +443,6 @@ class TensorSink(Protocol):
         """After every tensor was read."""
 
 
-def unservable_model_type(model_dir: str | Path) -> str | None:
-    """config.json's model_type when it names an architecture Tandem can plan but not run yet, else
-    None (a missing file or an unknown model_type is reported where the checkpoint is read)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    model_type = read_config_file(path).get("model_type")
-    if model_type not in supported_model_types() or get_model_class(model_type).servable:
-        return None
-    return model_type
-
-
-def check_servable(model_dir: str | Path) -> None:
-    """CheckpointError (one line) when config.json names an architecture Tandem can plan but not run."""
-    model_type = unservable_model_type(model_dir)
-    if model_type is not None:
-        raise CheckpointError(f"{Path(model_dir) / 'config.json'}: model_type {model_type!r} can be planned "
-                              "(`tandem plan`) but not served yet: its paged-cache forward is still being built")
-
-
 @torch.no_grad()
 def load_checkpoint(
     model_dir: str | Path,
@@ -467,7 +460,6 @@ def load_checkpoint(
     instead. The model is returned in eval mode with no KV cache bound.
     """
     start = time.perf_counter()
-    check_servable(model_dir)
     info = info if info is not None else inspect_checkpoint(model_dir)
     model = build_meta_model(info.model_class, info.config, dtype, info.model_dir / "config.json")
     if sink is not None:
@@ -493,10 +485,11 @@ def load_checkpoint(
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     for name in names:
                         # Memory-mapped read; copy_ converts dtype and moves to the device.
+                        tensor = f.get_tensor(info.tensors[name].key or name)
                         if name in targets:
-                            targets[name].copy_(f.get_tensor(name))
+                            targets[name].copy_(tensor)
                         else:
-                            sink.take(name, f.get_tensor(name))  # type: ignore[union-attr]
+                            sink.take(name, tensor)  # type: ignore[union-attr]
                         bytes_read += info.tensors[name].nbytes
                         bar.update(info.tensors[name].nbytes)
             except (OSError, SafetensorError) as e:

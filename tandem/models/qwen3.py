@@ -6,6 +6,7 @@ Parameter names equal HF checkpoint names (`model.embed_tokens.weight`, `model.l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from tandem.engine.metadata import StepMetadata
 from tandem.kv.spec import KVCacheSpec
+from tandem.kv.tensors import LayerCache
 from tandem.models.base import CausalLM
 from tandem.models.layers.attention import Attention
 from tandem.models.layers.mlp import SwiGLUMLP, check_activation
@@ -159,9 +161,9 @@ class Qwen3ForCausalLM(CausalLM):
         a = self.args
         return [KVCacheSpec("full", a.num_key_value_heads, a.head_dim, self.dtype) for _ in range(a.num_hidden_layers)]
 
-    def bind_kv_caches(self, caches: list[torch.Tensor], groups: list[int]) -> None:
+    def bind_kv_caches(self, caches: Sequence[tuple[LayerCache, ...]]) -> None:
         layers = self.attention_layers()
-        if len(caches) != len(layers) or len(groups) != len(layers):
-            raise ValueError(f"expected {len(layers)} caches and groups, got {len(caches)} and {len(groups)}")
-        for attn, cache, group in zip(layers, caches, groups):
-            attn.bind_kv_cache(cache, group)
+        if len(caches) != len(layers) or any(len(c) != 1 for c in caches):
+            raise ValueError(f"expected one full-attention cache for each of {len(layers)} layers, got {len(caches)}")
+        for attn, (cache,) in zip(layers, caches):
+            attn.bind_kv_cache(cache.pages, cache.group)

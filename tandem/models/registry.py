@@ -10,7 +10,7 @@ from tandem.models.base import CausalLM
 _ARCHITECTURES: dict[str, str] = {
     "qwen3": "tandem.models.qwen3:Qwen3ForCausalLM",
     "qwen3_moe": "tandem.models.qwen3_moe:Qwen3MoeForCausalLM",
-    "deepseek_v4": "tandem.models.deepseek_v4:DeepseekV4ForCausalLM",  # plannable, not servable yet
+    "deepseek_v4": "tandem.models.deepseek_v4:DeepseekV4ForCausalLM",
 }
 
 

@@ -29,7 +29,6 @@ from tandem.models.loader import (
     inspect_checkpoint,
     read_config_file,
     read_safetensors_header,
-    unservable_model_type,
     supported_model_type,
 )
 from tandem.models.registry import get_model_class
@@ -46,6 +45,10 @@ CUDA_OVERHEAD = GiB // 2  # CUDA context, cuBLAS workspaces and allocator slack 
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.pt", "*.pth", "*.gguf")
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / 2**20:.2f} MiB"
+
+
 def kv_blocks(budget: int, bytes_per_block: int, max_model_len: int, block_size: int, max_num_seqs: int) -> int:
     """KV blocks a budget buys, capped at what max_num_seqs sequences of max_model_len can use.
     Raises MemoryError (with what to change) when not even one full-length request fits."""
@@ -53,8 +56,8 @@ def kv_blocks(budget: int, bytes_per_block: int, max_model_len: int, block_size:
     needed = -(-max_model_len // block_size)
     if num_blocks < needed:
         raise MemoryError(
-            f"KV cache needs {needed * bytes_per_block / GiB:.2f} GiB for one request at "
-            f"--max-model-len {max_model_len} but the budget leaves {max(budget, 0) / GiB:.2f} GiB; "
+            f"KV cache needs {_size(needed * bytes_per_block)} for one request at "
+            f"--max-model-len {max_model_len} but the budget leaves {_size(max(budget, 0))}; "
             "lower --max-model-len or raise --kv-cache-memory / --gpu-memory-utilization"
         )
     return int(min(num_blocks, needed * max_num_seqs + 1))  # more would be unusable
@@ -170,7 +173,6 @@ def plan_memory(
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
     config_only = path.is_file() or (path.is_dir() and not any(any(path.glob(g)) for g in WEIGHT_FILES))
-    config_only = config_only or (info is None and unservable_model_type(path) is not None)
     if config_only:
         config_path = path if path.is_file() else path / "config.json"
         config = read_config_file(config_path)
@@ -230,7 +232,7 @@ def plan_memory(
         )
     kv_tokens = 0
     try:
-        kv_tokens = _kv_capacity(groups, budget, block_size, max_len, max_num_seqs)
+        kv_tokens = kv_capacity(groups, budget, block_size, max_len, max_num_seqs)
     except MemoryError as e:
         if not placement.problems:  # the placement's message already says the KV cache does not fit
             problems.append(str(e))
@@ -264,22 +266,26 @@ def _kv_geometry(groups: tuple[CacheGroup, ...], block_size: int, max_len: int) 
     return math.ceil(kv_bytes_per_token(groups)), sum(kv_cache_bytes(groups, block_size, max_len))
 
 
-def _kv_capacity(groups: tuple[CacheGroup, ...], budget: int, block_size: int, max_len: int,
-                 max_num_seqs: int) -> int:
-    """Tokens of context the budget holds over `max_num_seqs` requests; MemoryError (naming the
-    flags) when one --max-model-len request does not fit."""
+def kv_capacity(groups: tuple[CacheGroup, ...], budget: int, block_size: int, max_len: int,
+                max_num_seqs: int, step_tokens: int = 1, batch_tokens: int = 0) -> int:
+    """Tokens of context the budget holds over `max_num_seqs` requests (decode steps of up to
+    `step_tokens` query tokens, prefill chunks of `batch_tokens` a step: see `group_blocks`);
+    MemoryError (naming the flags) when one --max-model-len request does not fit."""
     if _one_kind(groups):
         per_block = sum(g.bytes_per_block(block_size) for g in groups)
         return kv_blocks(budget, per_block, max_len, block_size, max_num_seqs) * block_size
-    need = sum(kv_cache_bytes(groups, block_size, max_len))
+    need = sum(kv_cache_bytes(groups, block_size, max_len, max_num_seqs, step_tokens, batch_tokens=batch_tokens))
     if need > budget:
-        raise MemoryError(f"KV cache needs {need / GiB:.2f} GiB for one request at --max-model-len {max_len} but "
-                          f"the budget leaves {max(budget, 0) / GiB:.2f} GiB; lower --max-model-len or raise "
-                          "--kv-cache-memory / --gpu-memory-utilization")
-    lo, hi = max_len, max_len * max_num_seqs  # the most tokens whose caches fit, by bisection
+        raise MemoryError(f"KV cache needs {_size(need)} for one request at --max-model-len {max_len} (and the state "
+                          f"slots of --max-num-seqs {max_num_seqs}) but the budget leaves {_size(max(budget, 0))}; "
+                          "lower --max-model-len or --max-num-seqs, or raise --kv-cache-memory / "
+                          "--gpu-memory-utilization")
+    # The most tokens whose caches fit, by bisection; the state slots and per-request rounding of
+    # `max_num_seqs` requests are counted whatever the total (the engine allocates them all).
+    lo, hi = max_len, max_len * max_num_seqs
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        fits = sum(kv_cache_bytes(groups, block_size, mid, min(max_num_seqs, -(-mid // max_len)))) <= budget
+        fits = sum(kv_cache_bytes(groups, block_size, mid, max_num_seqs, step_tokens, batch_tokens=batch_tokens)) <= budget
         lo, hi = (mid, hi) if fits else (lo, mid - 1)
     return lo
 

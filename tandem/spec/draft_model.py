@@ -96,7 +96,7 @@ class DraftModelProposer:
         target's cache fits the drafter's."""
         groups = group_layers(self.model.kv_cache_specs())
         self.kv = KVCacheManager(groups, num_blocks, block_size, enable_prefix_caching)
-        allocate_kv_caches(self.model, groups, num_blocks, block_size, self.device)
+        allocate_kv_caches(self.model, self.kv, self.device)
         self.runner = ModelRunner(self.model, self.kv, self.device)
 
     def capture(self, max_num_seqs: int, max_model_len: int) -> None:

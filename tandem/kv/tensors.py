@@ -1,0 +1,67 @@
+"""The device tensors behind each cache group, per layer: what the runner allocates from the KV
+manager's pool sizes and binds to the model (`CausalLM.bind_kv_caches`).
+
+Layouts (N: the group's pool size; row N of every paged tensor is the sink that placeholders and
+graph padding point at, so it is never handed out):
+
+- full / sliding_window: `pages` [2, N + 1, block_size, Hkv, D] (K then V), or [1, ...] when one
+  vector serves as K and V (`k_is_v`, DeepSeek-V4).
+- compressed: `pages` [N + 1, block_size, Hkv * D], one entry per slot; `index_pages`
+  [N + 1, block_size, Di] beside them when the group has an indexer; `state[name]`
+  [num_state_slots + 1, rows, cols] per request slot (`KVCacheSpec.state_shapes`: the compressor's
+  and the indexer's raw projections, kv | gate); `snapshots[name]` [num_snapshots + 1, ratio, cols]
+  for CSA groups with prefix caching (`KVCacheSpec.snapshot_shapes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.kv.manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's tensors in one cache group (see the module docstring for their shapes)."""
+
+    group: int
+    pages: torch.Tensor
+    index_pages: torch.Tensor | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    snapshots: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        tensors = [self.pages, *self.state.values(), *self.snapshots.values()]
+        tensors += [self.index_pages] if self.index_pages is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def allocate_layer_caches(kv: KVCacheManager, num_layers: int, device: torch.device | str
+                          ) -> list[tuple[LayerCache, ...]]:
+    """Per layer, zeroed tensors of every group it belongs to, in group order, sized by the
+    manager's pools (blocks, state slots, snapshots of each group)."""
+    per_layer: list[list[LayerCache]] = [[] for _ in range(num_layers)]
+    bs = kv.block_size
+    for g, group in enumerate(kv.groups):
+        spec, n = group.spec, kv.pools[g].num_blocks + 1
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=spec.dtype, device=device)
+
+        for layer in group.layer_indices:
+            if spec.kind == "compressed":
+                snaps = kv.snapshot_pools[g]
+                cache = LayerCache(
+                    group=g,
+                    pages=zeros(n, bs, spec.num_kv_heads * spec.head_dim),
+                    index_pages=zeros(n, bs, spec.index_head_dim) if spec.index_head_dim else None,
+                    state={name: zeros(kv.num_state_slots + 1, r, c) for name, (r, c) in spec.state_shapes().items()},
+                    snapshots={} if snaps is None else
+                    {name: zeros(snaps.num_blocks + 1, r, c) for name, (r, c) in spec.snapshot_shapes().items()},
+                )
+            else:
+                cache = LayerCache(g, zeros(1 if spec.k_is_v else 2, n, bs, spec.num_kv_heads, spec.head_dim))
+            per_layer[layer].append(cache)
+    return [tuple(caches) for caches in per_layer]

@@ -1,0 +1,177 @@
+"""DeepSeek-V4 served by the engine on its paged cache groups (sliding window, CSA with its indexer,
+HCA), against transformers' `generate` on tiny random checkpoints saved with `save_pretrained`
+(DeepSeek's own tensor names), fp32 on CPU: batched greedy generation with chunked prefill not
+aligned to the ratios, prefix-cache hits (which restore CSA's overlap from a snapshot), n-gram
+speculation with rollback, preemption, and `tandem serve` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.deepseek_v4")
+from safetensors.torch import load_file, save_file
+from test_deepseek_v4 import BASE, CASES, _randomize
+from tiny_models import tokenizer_vocab_size, write_tokenizer_files
+from transformers import DeepseekV4Config
+from transformers import DeepseekV4ForCausalLM as HFDeepseekV4
+
+from tandem import LLM, SamplingParams
+from tandem.models.deepseek_v4 import checkpoint_name
+
+N = 24
+GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+
+
+def save_v4(out_dir: Path, case: str, **overrides) -> HFDeepseekV4:
+    torch.manual_seed(0)
+    hf = HFDeepseekV4(DeepseekV4Config(**{**BASE, **CASES[case][0], **overrides})).eval()
+    _randomize(hf, seed=len(case))
+    hf.save_pretrained(out_dir)
+    write_tokenizer_files(out_dir)
+    return hf
+
+
+@pytest.fixture(scope="module", params=["all_kinds", "hash"])
+def v4(request, tmp_path_factory) -> tuple[Path, HFDeepseekV4]:
+    d = tmp_path_factory.mktemp(request.param)
+    return d, save_v4(d, request.param)
+
+
+def prompts(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+
+
+def reference(hf: HFDeepseekV4, prompt: list[int], n: int = N) -> list[int]:
+    # The explicit mask matters: generate() would take token 0 (its pad id) in a prompt for padding.
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_batch_with_chunked_prefill_matches_transformers(v4) -> None:
+    """Four requests at once, prompts prefilled in 11-token chunks (not aligned to the ratios 4, 8
+    / 16, the window 6 / 10 or the blocks) while the others decode."""
+    model_dir, hf = v4
+    ps = prompts((5, 37, 70, 18))
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=11)
+    outs = llm.generate(ps, GREEDY)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == reference(hf, p), len(p)
+    eng = llm.engine
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and all(p.num_free == p.num_slots for p in eng.kv.state_pools if p)
+
+
+def test_prefix_hits_reuse_whole_units_and_stay_exact(v4) -> None:
+    """Requests sharing a 150-token prefix: the second and later reuse 128 tokens (a multiple of the
+    prefix unit, where every group's blocks and compressed windows end: 64 or 128 tokens with
+    8-token blocks) and CSA's overlap comes back from its snapshot into a state slot another
+    request used before."""
+    model_dir, hf = v4
+    shared = prompts((150,), seed=1)[0]
+    ps = [shared + tail for tail in prompts((10, 7, 12), seed=2)]
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="8MiB", block_size=8)
+    assert llm.engine.kv.unit in (64, 128)
+    first = llm.generate(ps[:1], GREEDY)[0]
+    rest = llm.generate(ps[1:], GREEDY)
+    assert first.num_cached_tokens == 0 and [o.num_cached_tokens for o in rest] == [128, 128]
+    for p, o in zip(ps, [first, *rest]):
+        assert o.token_ids == reference(hf, p)
+
+
+def test_ngram_speculation_with_rollback_equals_plain_greedy(v4) -> None:
+    model_dir, _ = v4
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() * 4 for n in (7, 5, 11)]
+    want = [o.token_ids for o in LLM(str(model_dir), device="cpu", kv_cache_memory="8MiB").generate(ps, GREEDY)]
+    spec = LLM(str(model_dir), device="cpu", kv_cache_memory="8MiB",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.token_ids for o in spec.generate(ps, GREEDY)] == want
+    drafted = accepted = 0.0
+    for metric in spec.engine.metrics.registry.collect():
+        for s in metric.samples:
+            drafted += s.value if s.name == "tandem:spec_decode_num_draft_tokens_total" else 0
+            accepted += s.value if s.name == "tandem:spec_decode_num_accepted_tokens_total" else 0
+    assert 0 < accepted < drafted  # drafts were accepted, and some rejected (rolled back)
+
+
+def test_preemption_recompute_stays_exact(tmp_path) -> None:
+    hf = save_v4(tmp_path, "all_kinds")
+    ps = prompts((60, 75, 50, 66), seed=4)
+    # A budget for about 230 tokens of context: the four need about 340, so the scheduler must preempt.
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_memory=160 * 1024, max_model_len=120, max_num_seqs=4,
+              enable_prefix_caching=False)
+    outs = llm.generate(ps, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, o in zip(ps, outs):
+        assert o.token_ids == reference(hf, p)
+
+
+def test_native_tensor_names_load_the_same_model(tmp_path) -> None:
+    """DeepSeek's native spelling (no `model.` prefix, `embed`, `hc_head_fn`, ...) and the one
+    save_pretrained writes name the same parameters."""
+    saved = tmp_path / "saved"
+    save_v4(saved, "hash")
+    native = tmp_path / "native"
+    native.mkdir()
+    for f in saved.iterdir():
+        if f.suffix != ".safetensors":
+            (native / f.name).write_bytes(f.read_bytes())
+    top = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+           "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+           "model.hc_head.hc_scale": "hc_head_scale"}
+    tensors = load_file(saved / "model.safetensors")
+    renamed = {top.get(k, k.removeprefix("model.")): v for k, v in tensors.items()}
+    assert {checkpoint_name(k) for k in renamed} == {checkpoint_name(k) for k in tensors}
+    save_file(renamed, native / "model.safetensors")
+    p = prompts((30,), seed=5)
+    a = LLM(str(saved), device="cpu", kv_cache_memory="8MiB").generate(p, GREEDY)[0].token_ids
+    b = LLM(str(native), device="cpu", kv_cache_memory="8MiB").generate(p, GREEDY)[0].token_ids
+    assert a == b
+
+
+def test_cuda_only_backends_are_refused_by_name(tmp_path) -> None:
+    save_v4(tmp_path, "hash")
+    with pytest.raises(ValueError, match="--attention-backend triton: DeepseekV4ForCausalLM runs only torch"):
+        LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", attention_backend="triton")
+
+
+@pytest.mark.timeout(180)
+def test_tandem_serve_streams_a_v4_checkpoint(tmp_path) -> None:
+    from serve_proc import start_serve
+
+    vocab = tokenizer_vocab_size()
+    save_v4(tmp_path, "all_kinds", vocab_size=vocab + -vocab % 64)
+    proc, url = start_serve(str(tmp_path), "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                            "--max-model-len", "256", "--log-level", "warning")
+    try:
+        body = {"model": tmp_path.name, "prompt": "The compressed cache", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert whole["usage"]["completion_tokens"] == 12, whole
+        text, usage = "", None
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    text += "".join(c["text"] for c in chunk["choices"])
+                    usage = chunk.get("usage") or usage
+        assert text == whole["choices"][0]["text"] and usage["completion_tokens"] == 12
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}).json()
+        assert chat["usage"]["completion_tokens"] <= 5 and chat["choices"][0]["message"]["role"] == "assistant"
+        bad = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": -1}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["message"]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert "tandem:generation_tokens_total" in metrics
+    finally:
+        proc.terminate()
+        proc.wait(30)
