@@ -68,6 +68,31 @@ def test_greedy_batch_with_chunked_prefill_matches_transformers(v4) -> None:
     assert eng.kv.num_free_blocks == eng.kv.num_blocks and all(p.num_free == p.num_slots for p in eng.kv.state_pools if p)
 
 
+def test_logits_through_the_paged_caches_match_transformers(v4) -> None:
+    """Prefill and every decode step's logits (the engine's logprobs) against transformers' own
+    cache-free forward of the whole sequence, within 1e-4."""
+    model_dir, hf = v4
+    p = prompts((41,), seed=6)[0]
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=9)
+    out = llm.generate([p], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=5))[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([p + out.token_ids[:-1]]), use_cache=False).logits[0, len(p) - 1:], -1)
+    for i, lp in enumerate(out.logprobs):
+        for alt in lp.top:
+            assert abs(alt.logprob - ref[i, alt.token_id].item()) < 1e-4, (i, alt)
+
+
+def test_real_ratios_cross_the_128_boundary(tmp_path) -> None:
+    """V4's own ratios (4 and 128) and window (128): a 133-token prompt and decode past 256 close
+    two HCA windows, in 50-token chunks."""
+    hf = save_v4(tmp_path, "real_ratios", max_position_embeddings=320)
+    ps = prompts((133, 90), seed=7)
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", max_num_batched_tokens=50)
+    params = SamplingParams(max_tokens=130, temperature=0.0, ignore_eos=True)
+    for p, o in zip(ps, llm.generate(ps, params)):
+        assert o.token_ids == reference(hf, p, 130)
+
+
 def test_prefix_hits_reuse_whole_units_and_stay_exact(v4) -> None:
     """Requests sharing a 150-token prefix: the second and later reuse 128 tokens (a multiple of the
     prefix unit, where every group's blocks and compressed windows end: 64 or 128 tokens with
