@@ -43,6 +43,7 @@ from tandem.config import (
     resolve_dtype,
 )
 from tandem.core import MAX_LOGPROBS, SEED_END, SEED_MIN
+from tandem.kv.spec import KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from tandem.offload.measure import MachineConstants
@@ -138,6 +139,9 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="KV cache size, e.g. 4GiB; overrides --gpu-memory-utilization and works on CPU too "
                         "(default: what --gpu-memory-utilization leaves on CUDA, 4GiB on CPU)")
+    s.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="how KV pages are stored: auto (--dtype) or fp8 (e4m3 with a scale per vector; "
+                        "DeepSeek-V4's caches; lossy, BENCHMARKS.md has its cost)")
     s.add_argument("--block-size", type=int, default=CacheConfig.block_size, metavar="N",
                    help=f"tokens per KV cache block: {', '.join(map(str, BLOCK_SIZES))}")
     _bool_flag(s, "--enable-prefix-caching", CacheConfig.enable_prefix_caching,
@@ -214,6 +218,8 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory Tandem may use")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (default: from "
                                                           "--gpu-memory-utilization)")
+    p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="as serve's: auto (--dtype) or fp8")
     _add_capacity_flags(p)
     _add_offload_flags(p)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -266,6 +272,7 @@ def plan(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+            kv_cache_dtype=args.kv_cache_dtype,
             device_bytes=parse_size(args.gpu_memory) if args.gpu_memory else None,
             offload=offload_config(args), machine=_measured(args, device),
             spec=SpecConfig.parse(args.speculative_config),
@@ -377,6 +384,7 @@ def build_configs(args: argparse.Namespace, model_dir: str, shipped: str | None 
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     scheduler = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,

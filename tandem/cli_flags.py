@@ -41,7 +41,6 @@ VLLM_REFUSED: dict[str, str] = {
     "--distributed-executor-backend": "Tandem runs in one process on one GPU; drop the flag",
     "--quantization": _UNQUANTIZED,
     "-q": _UNQUANTIZED,
-    "--kv-cache-dtype": "the KV cache is kept in --dtype; size it with --kv-cache-memory or --gpu-memory-utilization",
     "--cpu-offload-gb": "Tandem offloads whole layers' routed experts to RAM, computed on the CPU: use --cpu-moe, "
                         "--n-cpu-moe N or nothing (automatic when the model does not fit); `tandem plan MODEL_DIR` "
                         "shows the placement",

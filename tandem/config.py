@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tandem.core import MAX_LOGPROBS
+from tandem.kv.spec import page_dtype_of
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -119,6 +120,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes; overrides gpu_memory_utilization, works on any device
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3: see kv/spec.py page_dtype_of
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or self.block_size not in BLOCK_SIZES:  # (True == 1)
@@ -128,6 +130,7 @@ class CacheConfig:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("--kv-cache-memory must be positive")
+        page_dtype_of(self.kv_cache_dtype)  # raises, naming the flag
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,13 @@ def test_plan_of_deepseek_v4_flash_from_its_config(tmp_path) -> None:
     million = next(line for line in text.splitlines() if line.startswith("  1M tokens"))
     assert float(million.split(":")[1].split()[0]) < 10  # GiB, in bf16 already
     assert plan.kv_tokens >= 1 << 20
+    fp8 = plan_memory(cfg, torch.bfloat16, "cuda", device_bytes=32 * GiB, max_model_len=1 << 20, max_num_seqs=1,
+                      offload=OffloadConfig(cpu_moe=True, cpu_moe_dtype="mxfp4", cpu_memory=256 * GiB),
+                      kv_cache_dtype="fp8").render()
+    # 20 CSA layers: (512 + 128) B of fp8 plus two float32 scales per 4 tokens.
+    assert "compressed 1/4 + indexer keys (128), 20 layers: 3240 B per token" in fp8
+    million = next(line for line in fp8.splitlines() if line.startswith("  1M tokens"))
+    assert float(million.split(":")[1].split()[0]) < 4 and "in fp8" in million
 
 
 def test_routed_experts_on_the_cpu_kernel_give_the_same_logits() -> None:

@@ -138,6 +138,38 @@ def test_preemption_recompute_stays_exact(tmp_path) -> None:
         assert o.token_ids == reference(hf, p)
 
 
+def test_fp8_pages_stay_close_to_the_exact_cache(tmp_path) -> None:
+    """--kv-cache-dtype fp8: window K=V, entries and index keys stored as e4m3 with a scale each
+    (the state ring stays fp32); the logits move, a little."""
+    save_v4(tmp_path, "all_kinds")
+    p = prompts((45,), seed=8)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=20)
+    exact = LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB").generate([p], params)[0]
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", kv_cache_dtype="fp8")
+    caches = llm.engine.kv_caches
+    assert caches[1][0].pages.dtype == torch.float8_e4m3fn and caches[1][1].index_scales is not None
+    assert caches[1][1].state["compressor"].dtype == torch.float32
+    fp8 = llm.generate([p], params)[0]
+    # Decode steps read the prompt's pages back: compare their logprobs while the tokens agree.
+    gaps = []
+    for i, (a, b) in enumerate(zip(exact.logprobs, fp8.logprobs)):
+        want = {t.token_id: t.logprob for t in a.top}
+        gaps += [abs(t.logprob - want[t.token_id]) for t in b.top if t.token_id in want]
+        if exact.token_ids[i] != fp8.token_ids[i]:
+            break
+    # Near-ties move (this random model's distributions are flat), a broken cache moves them all.
+    assert fp8.token_ids[:5] == exact.token_ids[:5]
+    assert 1e-4 < max(gaps) < 0.6, max(gaps)
+
+
+def test_fp8_pages_are_refused_for_full_attention(tmp_path) -> None:
+    from tiny_models import save_tiny_model
+
+    save_tiny_model(tmp_path, "qwen3", seed=0)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: full-attention caches"):
+        LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", kv_cache_dtype="fp8")
+
+
 def test_native_tensor_names_load_the_same_model(tmp_path) -> None:
     """DeepSeek's native spelling (no `model.` prefix, `embed`, `hc_head_fn`, ...) and the one
     save_pretrained writes name the same parameters."""

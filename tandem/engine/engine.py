@@ -29,7 +29,7 @@ from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.structured import StepMasks, StructuredOutputs
 from tandem.kv.groups import group_blocks
 from tandem.kv.manager import KVCacheManager
-from tandem.kv.spec import CacheGroup, group_layers
+from tandem.kv.spec import CacheGroup, group_layers, page_dtype_of, with_page_dtype
 from tandem.models.base import CausalLM
 from tandem.models.loader import CheckpointInfo, inspect_checkpoint, load_checkpoint
 from tandem.offload.cpu_executor import OffloadedExperts
@@ -127,7 +127,7 @@ class LLMEngine:
         self.sampler = Sampler(self.device, mc.seed)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.spec = self._load_spec() if config.spec.enabled else None
-        groups = group_layers(self.model.kv_cache_specs())
+        groups = self._cache_groups()
         block_size = config.cache.block_size
         num_blocks = self._plan_kv_blocks(groups, block_size)
         min_compute = self.spec.min_prefill_compute if self.spec else 1
@@ -232,6 +232,7 @@ class LLMEngine:
             mc.model, mc.dtype, self.device.type, max_model_len=mc.max_model_len,
             max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             block_size=cfg.cache.block_size, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
+            kv_cache_dtype=cfg.cache.kv_cache_dtype,
             offload=cfg.offload, spec=cfg.spec, info=info,
         )
         placement = plan.placement
@@ -261,6 +262,18 @@ class LLMEngine:
                 f"{self.config.cache.gpu_memory_utilization} of this GPU allows {budget / GiB:.2f} GiB "
                 f"({free / GiB:.2f} GiB free); raise it or use a smaller model"
             )
+
+    def _cache_groups(self) -> tuple[CacheGroup, ...]:
+        """The model's cache groups, their pages in --kv-cache-dtype."""
+        groups = group_layers(self.model.kv_cache_specs())
+        page_dtype = page_dtype_of(self.config.cache.kv_cache_dtype)
+        if page_dtype is not None and any(g.spec.kind == "full" for g in groups):
+            raise ValueError(f"--kv-cache-dtype {self.config.cache.kv_cache_dtype}: full-attention caches (this "
+                             "model's) are kept in --dtype; fp8 pages exist for DeepSeek-V4's caches so far")
+        if page_dtype is not None:
+            logger.warning("--kv-cache-dtype %s: KV pages stored in float8 e4m3 with a scale per vector, a LOSSY "
+                           "cache (its cost on logits: BENCHMARKS.md)", self.config.cache.kv_cache_dtype)
+        return with_page_dtype(groups, page_dtype)
 
     def _plan_kv_blocks(self, groups: tuple[CacheGroup, ...], block_size: int) -> int | tuple[int, ...]:
         """Blocks of the KV budget: one count for full-attention groups; per group, sized for the

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,10 @@ class KVCacheSpec:
     index_head_dim: int = 0  # compressed: the indexer key stored beside each entry (0: none)
     overlap: bool = False  # compressed: CSA's overlapping windows (needs the previous window's Ca)
     k_is_v: bool = False  # full / sliding_window: one vector serves as K and V (DeepSeek-V4)
+    # How pages are stored (--kv-cache-dtype): None keeps `dtype`; float8_e4m3fn stores each vector
+    # (a token's K or V or K=V, an entry, an index key) with one float32 scale. The compressed
+    # state (the raw projections) stays in `dtype`: pooling from it must equal the reference.
+    page_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -52,10 +56,22 @@ class KVCacheSpec:
             raise ValueError("a compressed cache needs ratio >= 1 (tokens per entry)")
         if self.kind != "compressed" and (self.ratio != 1 or self.index_head_dim or self.overlap):
             raise ValueError(f"ratio, index_head_dim and overlap are for compressed caches, not {self.kind!r}")
+        if self.page_dtype not in (None, self.dtype, torch.float8_e4m3fn):
+            raise ValueError(f"KV pages are stored in the model's dtype or float8_e4m3fn, not {self.page_dtype}")
 
     @property
     def elem(self) -> int:
+        """Bytes of one element of the state (and of the pages, unless `page_dtype` says otherwise)."""
         return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return self.page_dtype or self.dtype
+
+    @property
+    def scaled(self) -> bool:
+        """Whether each stored vector carries a float32 scale (fp8 pages)."""
+        return self.stored_dtype.itemsize == 1
 
     def bytes_per_token(self) -> float:
         """Bytes one token of context costs in one layer: K and V (or the shared K=V vector) for
@@ -65,9 +81,11 @@ class KVCacheSpec:
 
     def bytes_per_slot(self) -> int:
         """One slot of a page in one layer: a token's K/V, or one compressed entry (+ indexer key)."""
+        elem, scale = self.stored_dtype.itemsize, 4 if self.scaled else 0
         if self.kind == "compressed":
-            return (self.num_kv_heads * self.head_dim + self.index_head_dim) * self.elem
-        return (1 if self.k_is_v else 2) * self.num_kv_heads * self.head_dim * self.elem
+            vectors = 1 + int(self.index_head_dim > 0)
+            return (self.num_kv_heads * self.head_dim + self.index_head_dim) * elem + vectors * scale
+        return (1 if self.k_is_v else 2) * self.num_kv_heads * (self.head_dim * elem + scale)
 
     # -- geometry and growth -------------------------------------------------------------------
     def tokens_per_block(self, block_size: int) -> int:
@@ -167,3 +185,20 @@ def group_layers(specs: Sequence[KVCacheSpec | tuple[KVCacheSpec, ...]]) -> tupl
         for spec in layer_specs if isinstance(layer_specs, tuple) else (layer_specs,):
             groups.setdefault(spec, []).append(i)
     return tuple(CacheGroup(spec, tuple(layers)) for spec, layers in groups.items())
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # --kv-cache-dtype, vLLM's names ("fp8" is e4m3)
+
+
+def page_dtype_of(kv_cache_dtype: str) -> torch.dtype | None:
+    """--kv-cache-dtype -> `KVCacheSpec.page_dtype` (None: the model's dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return None if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
+def with_page_dtype(groups: Sequence[CacheGroup], page_dtype: torch.dtype | None) -> tuple[CacheGroup, ...]:
+    """The groups with their pages stored in `page_dtype` (None: unchanged)."""
+    if page_dtype is None:
+        return tuple(groups)
+    return tuple(CacheGroup(replace(g.spec, page_dtype=page_dtype), g.layer_indices) for g in groups)

@@ -11,6 +11,10 @@ graph padding point at, so it is never handed out):
   [num_state_slots + 1, rows, cols] per request slot (`KVCacheSpec.state_shapes`: the compressor's
   and the indexer's raw projections, kv | gate); `snapshots[name]` [num_snapshots + 1, ratio, cols]
   for CSA groups with prefix caching (`KVCacheSpec.snapshot_shapes`).
+
+Pages are stored in `KVCacheSpec.stored_dtype`; fp8 pages have `scales` (and `index_scales`)
+beside them, one float32 per stored vector: the page tensor's shape without its last dimension.
+The state and the snapshots stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ class LayerCache:
     index_pages: torch.Tensor | None = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     snapshots: dict[str, torch.Tensor] = field(default_factory=dict)
+    scales: torch.Tensor | None = None  # fp8 pages: float32 [pages.shape[:-1]]
+    index_scales: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        tensors = [self.pages, *self.state.values(), *self.snapshots.values()]
-        tensors += [self.index_pages] if self.index_pages is not None else []
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = [self.pages, self.index_pages, self.scales, self.index_scales, *self.state.values(),
+                   *self.snapshots.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def allocate_layer_caches(kv: KVCacheManager, num_layers: int, device: torch.device | str
@@ -47,21 +53,26 @@ def allocate_layer_caches(kv: KVCacheManager, num_layers: int, device: torch.dev
     for g, group in enumerate(kv.groups):
         spec, n = group.spec, kv.pools[g].num_blocks + 1
 
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=spec.dtype, device=device)
+        def zeros(*shape: int, dtype: torch.dtype = spec.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        def paged(*shape: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            pages = zeros(*shape, dtype=spec.stored_dtype)
+            return pages, zeros(*shape[:-1], dtype=torch.float32) if spec.scaled else None
 
         for layer in group.layer_indices:
             if spec.kind == "compressed":
                 snaps = kv.snapshot_pools[g]
+                pages, scales = paged(n, bs, spec.num_kv_heads * spec.head_dim)
+                index_pages, index_scales = paged(n, bs, spec.index_head_dim) if spec.index_head_dim else (None, None)
                 cache = LayerCache(
-                    group=g,
-                    pages=zeros(n, bs, spec.num_kv_heads * spec.head_dim),
-                    index_pages=zeros(n, bs, spec.index_head_dim) if spec.index_head_dim else None,
+                    group=g, pages=pages, index_pages=index_pages, scales=scales, index_scales=index_scales,
                     state={name: zeros(kv.num_state_slots + 1, r, c) for name, (r, c) in spec.state_shapes().items()},
                     snapshots={} if snaps is None else
                     {name: zeros(snaps.num_blocks + 1, r, c) for name, (r, c) in spec.snapshot_shapes().items()},
                 )
             else:
-                cache = LayerCache(g, zeros(1 if spec.k_is_v else 2, n, bs, spec.num_kv_heads, spec.head_dim))
+                pages, scales = paged(1 if spec.k_is_v else 2, n, bs, spec.num_kv_heads, spec.head_dim)
+                cache = LayerCache(g, pages, scales=scales)
             per_layer[layer].append(cache)
     return [tuple(caches) for caches in per_layer]

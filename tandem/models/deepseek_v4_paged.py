@@ -44,6 +44,35 @@ def _flat(pages: torch.Tensor) -> torch.Tensor:
     return pages.view(-1, pages.shape[-1])
 
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def _write(pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Store rows [n, width] at flat slots; fp8 pages (with `scales`) get one scale per row, amax / 448."""
+    if scales is None:
+        _flat(pages)[slots] = rows.to(pages.dtype)
+        return
+    scale = rows.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [n]
+    _flat(pages)[slots] = (rows.float() / scale[:, None]).to(pages.dtype)
+    scales.view(-1)[slots] = scale
+
+
+def _read(pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [n, width] at flat slots, in `dtype` (fp8 pages dequantized by their scales)."""
+    rows = _flat(pages)[slots]
+    if scales is None:
+        return rows
+    return (rows.float() * scales.view(-1)[slots, None]).to(dtype)
+
+
+def _pages(cache: LayerCache, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A compressed cache's pages of `name` ("compressor": the entries, "indexer": the index keys)."""
+    if name == "indexer":
+        assert cache.index_pages is not None
+        return cache.index_pages, cache.index_scales
+    return cache.pages, cache.scales
+
+
 class PagedRequest:
     """One request of a step: its query span and its rows of the step's tables."""
 
@@ -66,8 +95,7 @@ def _ring_positions(ring_rows: int, lo: int, hi: int, device: torch.device) -> t
     return torch.arange(lo, hi, device=device) % ring_rows
 
 
-def _load_compressor(cache: LayerCache, name: str, pages: torch.Tensor, req: PagedRequest, ratio: int,
-                     overlap: bool) -> CompressorState:
+def _load_compressor(cache: LayerCache, name: str, req: PagedRequest, ratio: int, overlap: bool) -> CompressorState:
     """The compressor state at `req.start`: its open window's projections (and the previous one's
     with overlap) from the state ring, every closed entry from the pages."""
     ring = cache.state[name][req.slot(cache)]  # [R, 2 * width]
@@ -76,13 +104,12 @@ def _load_compressor(cache: LayerCache, name: str, pages: torch.Tensor, req: Pag
     lo = max(0, (start // ratio - int(overlap)) * ratio)
     rows = ring[_ring_positions(ring.shape[0], lo, start, ring.device)]  # [start - lo, 2 * width]
     n = start // ratio
-    entries = _flat(pages)[_slots(req.table(cache), req.step.block_size, 0, n)]  # [n, D]
+    entries = _read(*_pages(cache, name), _slots(req.table(cache), req.step.block_size, 0, n), ring.dtype)  # [n, D]
     return CompressorState(ratio, overlap, TokenRows(rows[:, :width], start), TokenRows(rows[:, width:], start),
                            entries)
 
 
-def _store_compressor(cache: LayerCache, name: str, pages: torch.Tensor, req: PagedRequest,
-                      new: CompressorState) -> None:
+def _store_compressor(cache: LayerCache, name: str, req: PagedRequest, new: CompressorState) -> None:
     """Write what the step added: entries of the windows it closed, the projection rows of its
     tokens in the last windows it touched (as many as the ring holds: `KVCacheSpec.state_ring`),
     and CSA snapshots at prefix boundaries."""
@@ -90,7 +117,7 @@ def _store_compressor(cache: LayerCache, name: str, pages: torch.Tensor, req: Pa
     first, last = start // ratio, end // ratio
     table = req.table(cache)
     if last > first:
-        _flat(pages)[_slots(table, req.step.block_size, first, last)] = new.entries[first:last].to(pages.dtype)
+        _write(*_pages(cache, name), _slots(table, req.step.block_size, first, last), new.entries[first:last])
     ring = cache.state[name][req.slot(cache)]
     lo = max(start, ((end - 1) // ratio - ring.shape[0] // ratio + 1) * ratio)
     ring[_ring_positions(ring.shape[0], lo, end, ring.device)] = torch.cat(
@@ -124,7 +151,8 @@ def load(attn: DeepseekV4Attention, caches: tuple[LayerCache, ...], req: PagedRe
     window_cache = caches[0]
     start = req.start
     lo = max(0, start - attn.sliding_window + 1)
-    rows = _flat(window_cache.pages)[_slots(req.table(window_cache), req.step.block_size, lo, start)]
+    slots = _slots(req.table(window_cache), req.step.block_size, lo, start)
+    rows = _read(window_cache.pages, window_cache.scales, slots, attn.kv_proj.weight.dtype)
     state = AttentionState(attn.sliding_window, TokenRows(rows, start))
     c = attn.compressor
     if c is None:
@@ -132,24 +160,21 @@ def load(attn: DeepseekV4Attention, caches: tuple[LayerCache, ...], req: PagedRe
     cache = caches[1]
     if cache.snapshots:
         _restore_snapshot(cache, req, c.ratio)
-    state = replace(state, compressor=_load_compressor(cache, "compressor", cache.pages, req, c.ratio, c.overlap))
+    state = replace(state, compressor=_load_compressor(cache, "compressor", req, c.ratio, c.overlap))
     if isinstance(c, SparseCompressor):
-        assert cache.index_pages is not None
-        state = replace(state, indexer=_load_compressor(cache, "indexer", cache.index_pages, req, c.ratio, True))
+        state = replace(state, indexer=_load_compressor(cache, "indexer", req, c.ratio, True))
     return state
 
 
 def store(attn: DeepseekV4Attention, caches: tuple[LayerCache, ...], req: PagedRequest, new: AttentionState) -> None:
     """Write back one layer's rows the request's step added to `new` (its state after the step)."""
     window_cache = caches[0]
-    rows = new.window.span(req.start, req.end)
     slots = _slots(req.table(window_cache), req.step.block_size, req.start, req.end)
-    _flat(window_cache.pages)[slots] = rows.to(window_cache.pages.dtype)
+    _write(window_cache.pages, window_cache.scales, slots, new.window.span(req.start, req.end))
     if attn.compressor is None:
         return
     cache = caches[1]
     assert new.compressor is not None
-    _store_compressor(cache, "compressor", cache.pages, req, new.compressor)
+    _store_compressor(cache, "compressor", req, new.compressor)
     if new.indexer is not None:
-        assert cache.index_pages is not None
-        _store_compressor(cache, "indexer", cache.index_pages, req, new.indexer)
+        _store_compressor(cache, "indexer", req, new.indexer)

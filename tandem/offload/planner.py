@@ -19,7 +19,7 @@ import torch
 
 from tandem.config import OffloadConfig, SpecConfig
 from tandem.kv.groups import kv_bytes_per_token, kv_cache_bytes
-from tandem.kv.spec import CacheGroup, group_layers
+from tandem.kv.spec import CacheGroup, group_layers, page_dtype_of, with_page_dtype
 from tandem.models.loader import (
     CheckpointError,
     CheckpointInfo,
@@ -154,6 +154,7 @@ def plan_memory(
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
     kv_cache_memory: int | None = None,
+    kv_cache_dtype: str = "auto",
     device_bytes: int | None = None,
     offload: OffloadConfig | None = None,
     machine: MachineConstants | None = None,
@@ -194,7 +195,7 @@ def plan_memory(
                 weights[_category(name)] = weights.get(_category(name), 0) + math.prod(entry.shape) * elem
         with torch.device("meta"):
             model = info.model_class(info.config, dtype)
-    groups = group_layers(model.kv_cache_specs())
+    groups = with_page_dtype(group_layers(model.kv_cache_specs()), page_dtype_of(kv_cache_dtype))
     max_len = max_model_len or model.max_position_embeddings
     kv_per_token, kv_min = _kv_geometry(groups, block_size, max_len)
     activation = 0
@@ -232,7 +233,7 @@ def plan_memory(
         )
     kv_tokens = 0
     try:
-        kv_tokens = kv_capacity(groups, budget, block_size, max_len, max_num_seqs)
+        kv_tokens = kv_capacity(groups, budget, block_size, max_len, max_num_seqs, batch_tokens=max_num_batched_tokens)
     except MemoryError as e:
         if not placement.problems:  # the placement's message already says the KV cache does not fit
             problems.append(str(e))
@@ -308,7 +309,8 @@ def _group_lines(groups: tuple[CacheGroup, ...], block_size: int, max_len: int) 
         else:
             lines.append(f"    full, {g.num_layers} layers: {g.num_layers * sp.bytes_per_token():.0f} B per token")
     million = sum(kv_cache_bytes(groups, block_size, 1 << 20))
-    dtype = str(groups[0].spec.dtype).removeprefix("torch.")
+    spec = groups[0].spec
+    dtype = "fp8 (e4m3, a float32 scale per vector)" if spec.scaled else str(spec.stored_dtype).removeprefix("torch.")
     lines.append(f"  1M tokens of context (one request): {million / GiB:.2f} GiB in {dtype}")
     return tuple(lines)
 
