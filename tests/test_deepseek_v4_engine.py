@@ -100,12 +100,16 @@ def test_prefix_hits_reuse_whole_units_and_stay_exact(v4) -> None:
     request used before."""
     model_dir, hf = v4
     shared = prompts((150,), seed=1)[0]
-    ps = [shared + tail for tail in prompts((10, 7, 12), seed=2)]
+    # The last prompt leaves one token after its hit: that step takes the decode path, which
+    # restores the snapshot on the device; the others restore it in the prefill path.
+    ps = [shared + tail for tail in prompts((10, 7, 12), seed=2)] + [shared[:128] + [7]]
     llm = LLM(str(model_dir), device="cpu", kv_cache_memory="8MiB", block_size=8)
     assert llm.engine.kv.unit in (64, 128)
     first = llm.generate(ps[:1], GREEDY)[0]
-    rest = llm.generate(ps[1:], GREEDY)
-    assert first.num_cached_tokens == 0 and [o.num_cached_tokens for o in rest] == [128, 128]
+    rest = llm.generate(ps[1:3], GREEDY)
+    # Alone, after the others: its state slot's ring last held another request's later tokens.
+    rest += llm.generate(ps[3:], GREEDY)
+    assert first.num_cached_tokens == 0 and [o.num_cached_tokens for o in rest] == [128, 128, 128]
     for p, o in zip(ps, [first, *rest]):
         assert o.token_ids == reference(hf, p)
 
@@ -193,10 +197,12 @@ def test_native_tensor_names_load_the_same_model(tmp_path) -> None:
     assert a == b
 
 
-def test_cuda_only_backends_are_refused_by_name(tmp_path) -> None:
+def test_backends_it_cannot_run_are_refused_by_name(tmp_path) -> None:
     save_v4(tmp_path, "hash")
-    with pytest.raises(ValueError, match="--attention-backend triton: DeepseekV4ForCausalLM runs only torch"):
+    with pytest.raises(ValueError, match="--attention-backend triton: DeepSeek-V4's Triton attention runs on CUDA"):
         LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", attention_backend="triton")
+    with pytest.raises(ValueError, match="--moe-executor grouped: DeepseekV4ForCausalLM runs only torch"):
+        LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", moe_backend="grouped")
 
 
 @pytest.mark.timeout(180)
@@ -232,3 +238,17 @@ def test_tandem_serve_streams_a_v4_checkpoint(tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_triton_attention_gives_the_reference_tokens(tmp_path) -> None:
+    """fp32 on the GPU: decode and verify steps through the Triton kernel against transformers."""
+    hf = save_v4(tmp_path, "all_kinds")
+    ps = prompts((5, 37, 70, 18))
+    for backend in ("triton", "torch"):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_memory="64MiB", attention_backend=backend,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        assert llm.engine.model._kernel == (backend == "triton")
+        for p, o in zip(ps, llm.generate(ps, GREEDY)):
+            assert o.token_ids == reference(hf, p), (backend, len(p))

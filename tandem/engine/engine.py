@@ -189,6 +189,8 @@ class LLMEngine:
         set_fused_ops(rc.fused_ops)  # process-wide; read when kernels run (and frozen into graphs)
         for layer in model.attention_layers():
             layer.set_backend(get_attention_backend(rc.attention_backend))
+        if hasattr(model, "set_attention_backend"):  # a model with attention kernels of its own (DeepSeek-V4)
+            model.set_attention_backend(rc.attention_backend)
         if rc.moe_executor != "torch" and hasattr(model, "moe_blocks"):
             from tandem.kernels.moe_grouped import install_moe_executor
 
@@ -212,8 +214,11 @@ class LLMEngine:
             blockers.append(f"attention backend {rc.attention_backend!r}")
         if has_moe and rc.moe_executor not in CAPTURABLE_MOE:
             blockers.append(f"MoE executor {rc.moe_executor!r}")
-        if blockers:
-            logger.warning("CUDA graphs off: %s cannot be captured; decode runs eagerly (slow)", " and ".join(blockers))
+        why = f"{' and '.join(blockers)} cannot be captured" if blockers else ""
+        if self.model.cuda_graphs is not True:
+            why = "; ".join(filter(None, (str(self.model.cuda_graphs), why)))
+        if why:
+            logger.warning("CUDA graphs off: %s; decode runs eagerly (slow)", why)
             return
         families = {"decode": (1,)}
         if self.config.spec.max_k:  # verify of 1..Kmax drafts

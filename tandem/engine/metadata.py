@@ -44,6 +44,12 @@ class StepMetadata:
     # Per cache group: its GroupState when the group is compressed, else None (empty: no such group).
     group_states: tuple[GroupState | None, ...] = ()
     prefix_unit: int = 0  # tokens between overlap snapshots (KVCacheManager.unit)
+    # The same on the device, for sync-free (capturable) steps; per group, None unless compressed.
+    # Pads of a graph point at the sinks (the state slot `num_state_slots`, the null snapshot).
+    state_slots: tuple[torch.Tensor | None, ...] = ()  # [T] int64: each token's state slot
+    request_state_slots: tuple[torch.Tensor | None, ...] = ()  # [B] int64
+    snapshot_slots: tuple[torch.Tensor | None, ...] = ()  # [T] int64: the snapshot a token's window close writes
+    restore_ids: tuple[torch.Tensor | None, ...] = ()  # [B] int64: the snapshot to restore first, -1 none
 
     @property
     def num_requests(self) -> int:

@@ -36,6 +36,7 @@ from tandem.kv.tensors import LayerCache, allocate_layer_caches
 from tandem.models.base import CausalLM
 
 logger = logging.getLogger("tandem")
+_PER_TOKEN = {"state_slots", "snapshot_slots"}  # StepMetadata state fields of [T] (the others: [B])
 
 
 def allocate_kv_caches(model: CausalLM, kv: KVCacheManager, device: torch.device) -> list[tuple[LayerCache, ...]]:
@@ -114,7 +115,6 @@ class ModelRunner:
         self.device = device
         self.aux_layers = aux_layers
         self.block_size = kv.block_size
-        self.sink_block = kv.num_blocks  # see allocate_kv_caches
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.buckets: tuple[int, ...] = ()
         self._warned: set[tuple[int, int]] = set()  # step shapes that fell back to eager
@@ -148,10 +148,37 @@ class ModelRunner:
             seq_lens_cpu=tuple(seq_lens),
             block_size=self.block_size,
             max_query_len=max(s.num_tokens for s in batch),
-            group_states=self._group_states(batch),
+            group_states=(states := self._group_states(batch)),
             prefix_unit=self.kv.unit,
+            **self._state_tensors(batch, states, [list(range(s.start, s.start + s.num_tokens)) for s in batch], dev),
         )
         return dev(input_ids, torch.int64), dev(positions, torch.int64), step
+
+    def _state_tensors(self, batch: list[ScheduledRequest], states: tuple[GroupState | None, ...],
+                       positions: list[list[int]], dev: Callable) -> dict[str, tuple[torch.Tensor | None, ...]]:
+        """StepMetadata's device copies of the compressed groups' state (`positions[i]`: request
+        i's query positions, pads included; a pad position of -1 points at the sinks)."""
+        fields: dict[str, list[torch.Tensor | None]] = {
+            "state_slots": [], "request_state_slots": [], "snapshot_slots": [], "restore_ids": []}
+        unit, sink = self.kv.unit, self.kv.num_state_slots
+        for state in states:
+            if state is None:
+                for values in fields.values():
+                    values.append(None)
+                continue
+            per_token, snaps = [], []
+            for r, pos in enumerate(positions):
+                ids = state.snapshots[r]
+                for p in pos:
+                    per_token.append(state.slots[r] if p >= 0 else sink)
+                    i = (p + 1) // unit - 1
+                    closes = p >= 0 and (p + 1) % unit == 0 and i < len(ids)
+                    snaps.append(ids[i] if closes else state.null_snapshot)
+            fields["state_slots"].append(dev(per_token, torch.int64))
+            fields["request_state_slots"].append(dev(list(state.slots), torch.int64))
+            fields["snapshot_slots"].append(dev(snaps, torch.int64))
+            fields["restore_ids"].append(dev(list(state.restore), torch.int64))
+        return {k: tuple(v) for k, v in fields.items()}
 
     def _group_states(self, batch: list[ScheduledRequest]) -> tuple[GroupState | None, ...]:
         """The compressed groups' state slots and overlap snapshots of the step's requests."""
@@ -272,11 +299,23 @@ class ModelRunner:
         self._pos = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
         self._qsl = torch.zeros(max_b + 1, dtype=torch.int32, device=dev)
         self._seq = torch.ones(max_b, dtype=torch.int32, device=dev)
-        self._tables = [torch.full((max_b, max_blocks), self.sink_block, dtype=torch.int32, device=dev)
-                        for _ in range(n_groups)]
-        self._slots = [torch.full((max_b * max_q,), self.sink_block * self.block_size, dtype=torch.int64, device=dev)
-                       for _ in range(n_groups)]
+        sinks = [self.kv.null_block(g) for g in range(n_groups)]  # each group's sink row
+        self._tables = [torch.full((max_b, max_blocks), sink, dtype=torch.int32, device=dev) for sink in sinks]
+        self._slots = [torch.full((max_b * max_q,), sink * self.block_size, dtype=torch.int64, device=dev)
+                       for sink in sinks]
         self._all_rows = torch.arange(max_b * max_q, dtype=torch.int64, device=dev)
+        # Compressed groups' state (StepMetadata.state_slots ...), all at the sinks.
+        stateful = [g.spec.has_state for g in self.kv.groups]
+
+        null_snapshots = [pool.num_blocks if pool is not None else 0 for pool in self.kv.snapshot_pools]
+        self._state_pads = {"state_slots": [self.kv.num_state_slots] * n_groups,
+                            "request_state_slots": [self.kv.num_state_slots] * n_groups,
+                            "snapshot_slots": null_snapshots, "restore_ids": [-1] * n_groups}
+        self._state = {
+            name: [torch.full((max_b * max_q if name in _PER_TOKEN else max_b,), v, dtype=torch.int64, device=dev)
+                   if s else None for s, v in zip(stateful, pads)]
+            for name, pads in self._state_pads.items()
+        }
 
     @torch.inference_mode()
     def measure(self, shapes: list[tuple[int, int]], repeats: int = 5) -> dict[tuple[int, int], float]:
@@ -333,23 +372,27 @@ class ModelRunner:
             seq_lens_cpu=(q,) * b,  # not read by capturable backends; values vary per replay
             block_size=self.block_size,
             max_query_len=q,
+            prefix_unit=self.kv.unit,
+            **{name: tuple(None if t is None else t[: b * q if name in _PER_TOKEN else b] for t in ts)
+               for name, ts in self._state.items()},
         )
 
     def _replay(self, batch: list[ScheduledRequest], key: tuple[int, int]) -> ForwardOutput:
         bucket, q = key
         n = len(batch)
         input_ids, positions, _, seq_lens, _, slots, tables = self._host_inputs(batch)
-        sink_slot = self.sink_block * self.block_size
+        sinks = [self.kv.null_block(g) for g in range(len(tables))]
         # Request i owns query rows i*q .. i*q+q-1: its tokens first, then pads up to q (see the
         # module docstring); padded batch rows (bucket - n of them) are all pads.
-        ids, pos, slot_rows = [], [], [[] for _ in tables]
+        ids, pos, slot_rows, real_pos = [], [], [[] for _ in tables], []
         at = 0
         for i, s in enumerate(batch):
             m, pad = s.num_tokens, q - s.num_tokens
             ids += input_ids[at : at + m] + [0] * pad
             pos += positions[at : at + m] + [seq_lens[i] - 1] * pad  # a pad's position is never read back
+            real_pos.append(positions[at : at + m] + [-1] * pad)
             for g in range(len(tables)):
-                slot_rows[g] += slots[g][at : at + m] + [sink_slot] * pad
+                slot_rows[g] += slots[g][at : at + m] + [sinks[g] * self.block_size] * pad
             at += m
         pad_tokens = (bucket - n) * q
         self._ids[: bucket * q].copy_(torch.tensor(ids + [0] * pad_tokens), non_blocking=True)
@@ -361,10 +404,20 @@ class ModelRunner:
             # Rows are read up to ceil(padded seq_len / block_size) entries: a pad may reach one block
             # past the request's own, which holds the sink.
             width = max(len(t) for t in tables[g]) + 1
-            rows = [t + [self.sink_block] * (width - len(t)) for t in tables[g]]
+            rows = [t + [sinks[g]] * (width - len(t)) for t in tables[g]]
             self._tables[g][:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-            self._tables[g][n:bucket, 0].fill_(self.sink_block)
+            self._tables[g][n:bucket, 0].fill_(sinks[g])
+            sink_slot = sinks[g] * self.block_size
             self._slots[g][: bucket * q].copy_(torch.tensor(slot_rows[g] + [sink_slot] * pad_tokens), non_blocking=True)
+        states = self._group_states(batch)
+        if any(state is not None for state in states):
+            host = self._state_tensors(batch, states, real_pos, lambda x, dtype: torch.tensor(x, dtype=dtype))
+            for name, values in host.items():
+                end = bucket * q if name in _PER_TOKEN else bucket
+                for static, value, pad in zip(self._state[name], values, self._state_pads[name]):
+                    if static is not None and value is not None:
+                        static[: value.shape[0]].copy_(value, non_blocking=True)
+                        static[value.shape[0] : end].fill_(pad)  # the batch's pad rows: the sinks
         if self._live_rows is not None:
             self._live_rows.fill_(n * q)
         entry = self.graphs[key]

@@ -21,7 +21,7 @@ incremental step on state kept in the paged cache groups of `kv_cache_specs` (de
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,6 +32,7 @@ from torch import nn
 from tandem.engine.metadata import StepMetadata
 from tandem.kv.spec import KVCacheSpec
 from tandem.kv.tensors import LayerCache
+from tandem.models import deepseek_v4_decode as decode
 from tandem.models import deepseek_v4_paged as paged
 from tandem.models.base import CausalLM
 from tandem.models.deepseek_v4_attention import (
@@ -52,6 +53,10 @@ from tandem.models.layers.rotary import RopeConfig
 from tandem.models.qwen3 import require
 
 MLP_LAYER_TYPES = ("hash_moe", "moe")
+# Longest query the sync-free decode path takes on a sliding-only model; with compressed layers it
+# is the smallest ratio + 1: the state ring (3 windows with CSA's overlap, else 2) must still hold
+# both windows a closing token pools after the step wrote its tokens' rows (deepseek_v4_decode.py).
+DECODE_MAX_QUERY = 16
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # native configs' per-layer `compress_ratios`
 
 
@@ -289,23 +294,35 @@ class DeepseekV4DecoderLayer(nn.Module):
         """Packed tokens of several requests: streams [T, N, H], input_ids [T], positions [T], the
         requests' token counts `lengths` (sum T) and their states -> (streams [T, N, H], new states).
         mHC and the MoE run on all tokens at once; attention per request on its own state."""
+        new_states: list[AttentionState] = []
+
+        def attention(normed: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for hidden, pos, state in zip(normed.split(lengths), positions.split(lengths), states):
+                out, state = self.self_attn.forward_step(hidden, pos, state, rotary)
+                outs.append(out)
+                new_states.append(state)
+            return torch.cat(outs)
+
+        return self.forward_tokens(streams, input_ids, attention), new_states
+
+    def forward_tokens(self, streams: torch.Tensor, input_ids: torch.Tensor,
+                       attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Packed tokens: streams [T, N, H], input_ids [T] -> streams [T, N, H]; `attention` maps
+        the normed block input [T, H] to the attention output [T, H] (whatever holds its state)."""
         collapsed, post, comb = self.attn_hc(streams)  # [T, H]
-        normed = self.input_layernorm(collapsed)
-        outs, new_states = [], []
-        for hidden, pos, state in zip(normed.split(lengths), positions.split(lengths), states):
-            out, state = self.self_attn.forward_step(hidden, pos, state, rotary)
-            outs.append(out)
-            new_states.append(state)
-        streams = HyperConnection.merge(streams, torch.cat(outs), post, comb)
+        streams = HyperConnection.merge(streams, attention(self.input_layernorm(collapsed)), post, comb)
         collapsed, post, comb = self.ffn_hc(streams)
         ffn = self.mlp(self.post_attention_layernorm(collapsed), input_ids)  # [T, H]
-        return HyperConnection.merge(streams, ffn, post, comb), new_states
+        return HyperConnection.merge(streams, ffn, post, comb)
 
 
 class DeepseekV4Model(nn.Module):
     def __init__(self, args: DeepseekV4Args) -> None:
         super().__init__()
         self.hc_mult = args.hc_mult
+        ratios = [args.compress_rates[kind] for kind in args.layer_types if kind in args.compress_rates]
+        self.decode_max_query = min(ratios) + 1 if ratios else DECODE_MAX_QUERY
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -346,14 +363,23 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(streams)), new_states
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata,
-                      caches: Sequence[tuple[LayerCache, ...]]) -> torch.Tensor:
+                      caches: Sequence[tuple[LayerCache, ...]], kernel: bool = False) -> torch.Tensor:
         """The serving forward: packed tokens of the step's requests (input_ids [T], positions [T])
         on the paged cache groups -> final hidden [T, H]. Each layer loads every request's state
         from the caches, runs the incremental reference on it and stores back what it added
-        (deepseek_v4_paged.py)."""
+        (deepseek_v4_paged.py); decode and verify steps (queries of at most `decode_max_query`
+        tokens) run the sync-free path of deepseek_v4_decode.py instead, its attention the Triton
+        kernel with `kernel`."""
+        streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.hc_mult, -1)  # [T, N, H]
+        if step.max_query_len <= self.decode_max_query:
+            for layer, layer_caches in zip(self.layers, caches):
+                attn = layer.self_attn
+                rotary = self.rotary_emb[attn.rope_kind]
+                streams = layer.forward_tokens(streams, input_ids, lambda x, attn=attn, c=layer_caches, rotary=rotary:
+                                               decode.attention_step(attn, x, positions, c, step, rotary, kernel))
+            return self.norm(self.hc_head(streams))
         requests = [paged.PagedRequest(step, r) for r in range(step.num_requests)]
         lengths = [req.end - req.start for req in requests]
-        streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.hc_mult, -1)  # [T, N, H]
         for layer, layer_caches in zip(self.layers, caches):
             attn = layer.self_attn
             states = [paged.load(attn, layer_caches, req) for req in requests]
@@ -366,11 +392,14 @@ class DeepseekV4Model(nn.Module):
 
 class DeepseekV4ForCausalLM(CausalLM):
     args_class = DeepseekV4Args
-    # Its attention runs the paged torch reference (deepseek_v4_paged.py), whatever the flag: no
-    # Triton kernel for its cache kinds yet. Its experts clamp SwiGLU, which the fused GPU executor
-    # does not (the CPU expert kernel, installed by the offload loader, does).
-    attention_backends = ("torch",)
+    # Prefill chunks run the paged torch reference (deepseek_v4_paged.py); decode and verify steps
+    # the sync-free path (deepseek_v4_decode.py), its attention in torch or in Triton. Its experts
+    # clamp SwiGLU, which the fused GPU executor does not (the CPU expert kernel, installed by the
+    # offload loader, does).
+    attention_backends = ("torch", "triton")
     moe_executors = ("torch",)
+    # The decode path is sync-free, but no V4 graph has been captured and checked on a GPU yet.
+    cuda_graphs = "DeepSeek-V4's decode CUDA graphs are not validated on a GPU yet"
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)
@@ -378,6 +407,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.model = DeepseekV4Model(args)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self._caches: tuple[tuple[LayerCache, ...], ...] | None = None
+        self._kernel = False  # decode attention in Triton (`set_attention_backend`)
         self.to(dtype)
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -408,11 +438,19 @@ class DeepseekV4ForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepMetadata) -> torch.Tensor:
         if self._caches is None:
             raise RuntimeError("DeepSeek-V4 has no KV cache bound; call model.bind_kv_caches() first")
-        return self.model.forward_paged(input_ids, positions, step, self._caches)
+        return self.model.forward_paged(input_ids, positions, step, self._caches, self._kernel)
 
     def attention_layers(self) -> list[DeepseekV4Attention]:
-        """None takes a pluggable backend (see `attention_backends`)."""
+        """None takes a pluggable backend: `set_attention_backend` picks the decode attention."""
         return []
+
+    def set_attention_backend(self, name: str) -> None:
+        """"triton": decode / verify attention in the Triton kernel (CUDA, pages not in fp8); "torch": its gather."""
+        if name not in self.attention_backends:
+            raise ValueError(f"attention backend {name!r}: DeepSeek-V4 runs {', '.join(self.attention_backends)}")
+        if name == "triton" and self.model.embed_tokens.weight.device.type != "cuda":
+            raise ValueError("--attention-backend triton: DeepSeek-V4's Triton attention runs on CUDA; use torch here")
+        self._kernel = name == "triton"
 
     def bind_kv_caches(self, caches: Sequence[tuple[LayerCache, ...]]) -> None:
         """Per layer: its sliding-window cache, then its compressed cache (CSA / HCA layers)."""

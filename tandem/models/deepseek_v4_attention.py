@@ -321,8 +321,11 @@ class DeepseekV4Attention(nn.Module):
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
         """q [B, T, Hh, D], keys [B, S, D] (K = V), visible [B or 1, T, S] -> [B, T, H]."""
-        B, T = q.shape[:2]
-        out = sink_attention(q, keys, visible, self.sinks, self.scale)  # [B, T, Hh, D]
+        return self.output(sink_attention(q, keys, visible, self.sinks, self.scale), cos, sin)
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention's per-head result [B, T, Hh, D] -> the block's output [B, T, H]."""
+        B, T = out.shape[:2]
         # V carried rotary at its key's position; rotating back by the query's position leaves the
         # rope channels a function of the relative distance.
         out = apply_rope_tail(out, cos[:, None], -sin[:, None])

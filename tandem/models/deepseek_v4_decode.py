@@ -1,0 +1,188 @@
+"""DeepSeek-V4's attention for decode and verify steps, free of host syncs so a CUDA graph can
+capture it: every index it needs is a device tensor of the step (`StepMetadata`), and every
+request does the same work whatever its position (a window that does not close this step is
+pooled anyway and written to the sink).
+
+Per compressed layer and token p (ratio m, ring of R = state_ring * m rows per request slot):
+
+1. its projections (kv | gate) go to ring row p % R of its state slot (a pad's slot is the sink);
+2. the window n = (p + 1) // m - 1 is pooled from the ring (with CSA's overlap, the previous
+   window's Ca half too) exactly as the reference's `WindowCompressor.pool`, and written to the
+   entry slot of a token that closes it, else to the sink; at a prefix boundary its rows also go
+   to the overlap snapshot;
+3. the CSA indexer scores every entry the block table covers, masks the unclosed ones and keeps
+   its top `index_topk` (a stable sort: ties go to the lower entry, as in the reference).
+
+The first step after a prefix hit first copies the overlap snapshot into the ring (`restore_ids`).
+The attention itself is `deepseek_v4_paged_attention` (Triton, tandem/kernels/) on CUDA, or the
+gather below, which is the same math in torch and serves CPU and fp8 pages. Steps with a prefill
+chunk keep the reference path (deepseek_v4_paged.py): gathering a chunk's keys per token would be
+quadratic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.metadata import StepMetadata
+from tandem.kv.tensors import LayerCache
+from tandem.models.deepseek_v4_attention import (
+    DeepseekV4Attention,
+    InterleavedRotary,
+    SparseCompressor,
+    WindowCompressor,
+    apply_rope_tail,
+    sink_attention,
+)
+from tandem.models.deepseek_v4_paged import _pages, _read, _write
+
+
+def token_requests(step: StepMetadata, num_tokens: int) -> torch.Tensor:
+    """Each token's request row [T] int64, on the device (pads past the last request: the last row)."""
+    qsl = step.query_start_loc
+    tokens = torch.arange(num_tokens, device=qsl.device, dtype=qsl.dtype)
+    return torch.searchsorted(qsl[1:].contiguous(), tokens, right=True).clamp_(max=qsl.shape[0] - 2)
+
+
+def _table_slots(table: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat slots of positions / entries idx [T, S] through the block-table rows of each token."""
+    safe = idx.clamp(min=0)
+    blocks = table[rows[:, None], (safe // block_size).clamp(max=table.shape[1] - 1)].long()
+    return blocks * block_size + safe % block_size
+
+
+def _sink_slot(pages: torch.Tensor) -> int:
+    """The flat slot of the sink row's first entry (row `num_blocks` of [.., N + 1, bs, ..])."""
+    n, bs = (pages.shape[0], pages.shape[1]) if pages.dim() == 3 else (pages.shape[1], pages.shape[2])
+    return (n - 1) * bs
+
+
+def _restore(cache: LayerCache, name: str, step: StepMetadata, ratio: int) -> None:
+    """First step after a prefix hit: window start // ratio - 1 of each restoring request's ring
+    becomes its snapshot (the others rewrite what they hold)."""
+    g = cache.group
+    restore, slots = step.restore_ids[g], step.request_state_slots[g]
+    ring, snaps = cache.state[name], cache.snapshots[name]
+    start = (step.seq_lens - (step.query_start_loc[1:] - step.query_start_loc[:-1])).long()  # [B]
+    R = ring.shape[1]
+    rows = ((start // ratio - 1)[:, None] * ratio + torch.arange(ratio, device=ring.device)) % R  # [B, m]
+    held = ring[slots[:, None], rows]
+    ring[slots[:, None], rows] = torch.where(restore[:, None, None] >= 0, snaps[restore.clamp(min=0)], held)
+
+
+def _compress(c: WindowCompressor, cache: LayerCache, name: str, hidden: torch.Tensor, positions: torch.Tensor,
+              step: StepMetadata, rotary: InterleavedRotary) -> None:
+    """Steps 1-2 of the module docstring for one compressor (the layer's, or the CSA indexer's)."""
+    g, m, D = cache.group, c.ratio, c.head_dim
+    ring = cache.state[name]  # [S + 1, R, 2 * width]
+    R, width = ring.shape[1], ring.shape[2] // 2
+    slot = step.state_slots[g]  # [T]
+    if cache.snapshots:
+        _restore(cache, name, step, m)
+    kv, gate = c.project(hidden, positions)  # [T, width] each
+    ring[slot, positions % R] = torch.cat((kv, gate), dim=-1).to(ring.dtype)
+    n = (positions + 1) // m - 1  # the window each token would close
+    offsets = torch.arange(m, device=ring.device)
+    cur = ring[slot[:, None], (n[:, None] * m + offsets) % R]  # [T, m, 2 * width]
+    if c.overlap:  # slots [Ca of window n - 1, Cb of window n]; window -1 has none
+        prev = ring[slot[:, None], ((n - 1)[:, None] * m + offsets) % R]
+        first = (n == 0)[:, None, None]
+        kv_slots = torch.cat((prev[..., :D], cur[..., D:width]), dim=1)  # [T, 2m, D]
+        prev_gate = prev[..., width : width + D].masked_fill(first, float("-inf"))
+        gate_slots = torch.cat((prev_gate, cur[..., width + D :]), dim=1)
+    else:
+        kv_slots, gate_slots = cur[..., :width], cur[..., width:]
+    weights = gate_slots.softmax(dim=1, dtype=torch.float32).to(kv_slots.dtype)
+    entries = c.kv_norm((kv_slots * weights).sum(dim=1))  # [T, D]
+    cos, sin = rotary(n.clamp(min=0) * m, entries.dtype)
+    entries = apply_rope_tail(entries, cos, sin)
+    pages, scales = _pages(cache, name)
+    closes = ((positions + 1) % m == 0) & (n >= 0)
+    _write(pages, scales, torch.where(closes, step.slot_mappings[g], _sink_slot(pages)), entries)
+    snaps = cache.snapshots.get(name)
+    if snaps is not None:
+        snaps[step.snapshot_slots[g]] = cur.to(snaps.dtype)  # non-boundary tokens hit the sink row
+
+
+def _closed_entries(cache: LayerCache, name: str, step: StepMetadata, rows: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every entry the block table covers, per token: ([T, N, width], entry numbers [N])."""
+    pages, scales = _pages(cache, name)
+    table = step.block_tables[cache.group]
+    idx = torch.arange(table.shape[1] * step.block_size, device=pages.device)
+    slots = _table_slots(table, rows, idx.expand(rows.shape[0], -1), step.block_size)
+    return _read(pages, scales, slots.flatten(), dtype).view(*slots.shape, pages.shape[-1]), idx
+
+
+def _indexer_topk(attn: DeepseekV4Attention, cache: LayerCache, hidden: torch.Tensor, q_latent: torch.Tensor,
+                  positions: torch.Tensor, rows: torch.Tensor, step: StepMetadata, rotary: InterleavedRotary
+                  ) -> torch.Tensor:
+    """Step 3: the indexer's pick per token, [T, index_topk] entry numbers (-1: none)."""
+    assert isinstance(attn.compressor, SparseCompressor)
+    indexer = attn.compressor.indexer
+    keys, idx = _closed_entries(cache, "indexer", step, rows, hidden.dtype)  # [T, N, Di]
+    T = hidden.shape[0]
+    cos, sin = rotary(positions, hidden.dtype)
+    q = indexer.q_b_proj(q_latent).view(T, 1, indexer.num_heads, indexer.head_dim)
+    q = apply_rope_tail(q, cos[:, None, None], sin[:, None, None])
+    scores = indexer.scorer(q, keys, hidden[:, None])[:, 0]  # [T, N]
+    closed = idx[None, :] < ((positions + 1) // indexer.ratio)[:, None]
+    scores = scores.masked_fill(~closed, float("-inf"))
+    k = min(indexer.topk, scores.shape[1])
+    picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.where(closed.gather(1, picked), picked, -1)
+
+
+def _gather_attention(attn: DeepseekV4Attention, q: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                      caches: tuple[LayerCache, ...], step: StepMetadata, topk: torch.Tensor | None) -> torch.Tensor:
+    """`deepseek_v4_paged_attention` in torch, vectorised over tokens: q [T, Hh, D] -> [T, Hh, D]."""
+    window = caches[0]
+    W = attn.sliding_window
+    pos = positions[:, None] - W + 1 + torch.arange(W, device=q.device)  # [T, W]
+    slots = _table_slots(step.block_tables[window.group], rows, pos, step.block_size)
+    keys = _read(window.pages, window.scales, slots.flatten(), q.dtype).view(*slots.shape, q.shape[-1])  # [T, W, D]
+    visible = pos >= 0
+    c = attn.compressor
+    if c is not None:
+        entries, idx = _closed_entries(caches[1], "compressor", step, rows, q.dtype)  # [T, N, D]
+        if topk is None:  # HCA: every closed entry
+            seen = idx[None, :] < ((positions + 1) // c.ratio)[:, None]
+        else:  # CSA: the indexer's pick
+            entries = entries.gather(1, topk.clamp(min=0)[..., None].expand(-1, -1, entries.shape[-1]))
+            seen = topk >= 0
+        keys, visible = torch.cat((keys, entries), dim=1), torch.cat((visible, seen), dim=1)
+    out = sink_attention(q[:, None], keys, visible[:, None], attn.sinks, attn.scale)  # [T, 1, Hh, D]
+    return out[:, 0]
+
+
+def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, positions: torch.Tensor,
+                   caches: tuple[LayerCache, ...], step: StepMetadata, rotary: InterleavedRotary,
+                   kernel: bool) -> torch.Tensor:
+    """One V4 attention block over a decode / verify step's tokens: hidden [T, H] -> [T, H], the
+    caches updated. `kernel`: the Triton attention (CUDA, pages not in fp8), else the gather."""
+    T = hidden.shape[0]
+    rows = token_requests(step, T)
+    cos, sin = rotary(positions, hidden.dtype)
+    q_latent, q, kv = attn._project(hidden[None], cos, sin)  # [1, T, Rq], [1, T, Hh, D], [1, T, D]
+    window = caches[0]
+    _write(window.pages, window.scales, step.slot_mappings[window.group], kv[0])
+    topk = None
+    c = attn.compressor
+    if c is not None:
+        cache = caches[1]
+        _compress(c, cache, "compressor", hidden, positions, step, rotary)
+        if isinstance(c, SparseCompressor):
+            _compress(c.indexer, cache, "indexer", hidden, positions, step, rotary)
+            topk = _indexer_topk(attn, cache, hidden, q_latent[0], positions, rows, step, rotary)
+    if kernel:
+        from tandem.kernels.deepseek_v4_attention import deepseek_v4_paged_attention
+
+        entry = caches[1] if c is not None else None
+        out = deepseek_v4_paged_attention(
+            q[0], positions, rows, window.pages, step.block_tables[window.group], attn.sliding_window, attn.scale,
+            attn.sinks, entry_pages=None if entry is None else entry.pages,
+            entry_table=None if entry is None else step.block_tables[entry.group],
+            ratio=0 if c is None else c.ratio, topk_idx=None if topk is None else topk.to(torch.int32))
+    else:
+        out = _gather_attention(attn, q[0], positions, rows, caches, step, topk)
+    return attn.output(out[None], cos, sin)[0]
