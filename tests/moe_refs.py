@@ -33,3 +33,16 @@ def make_experts(num: int = 8, hidden: int = 64, inter: int = 32, dtype: torch.d
     for p in experts.parameters():
         p.normal_(0.0, std)
     return experts
+
+
+def make_clamped_experts(limit: float, num: int = 8, hidden: int = 64, inter: int = 32, seed: int = 0,
+                         std: float = 0.3) -> nn.ModuleList:
+    """`num` random DeepSeek-V4 experts (SwiGLU with clamped pre-activations), fp32; std wide enough
+    that `limit` bites on many rows."""
+    from tandem.models.deepseek_v4_moe import ClampedSwiGLU
+
+    torch.manual_seed(seed)
+    experts = nn.ModuleList(ClampedSwiGLU(hidden, inter, limit) for _ in range(num)).requires_grad_(False)
+    for p in experts.parameters():
+        p.normal_(0.0, std)
+    return experts

@@ -197,12 +197,21 @@ def test_native_tensor_names_load_the_same_model(tmp_path) -> None:
     assert a == b
 
 
-def test_backends_it_cannot_run_are_refused_by_name(tmp_path) -> None:
+def test_triton_attention_is_refused_off_cuda(tmp_path) -> None:
     save_v4(tmp_path, "hash")
     with pytest.raises(ValueError, match="--attention-backend triton: DeepSeek-V4's Triton attention runs on CUDA"):
         LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", attention_backend="triton")
-    with pytest.raises(ValueError, match="--moe-executor grouped: DeepseekV4ForCausalLM runs only torch"):
-        LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", moe_backend="grouped")
+
+
+
+def test_grouped_moe_executor_clamps_and_gives_the_reference_tokens(tmp_path) -> None:
+    """The fused executor (sort + grouped GEMMs; on CPU in fp32) with V4's SwiGLU clamp."""
+    hf = save_v4(tmp_path, "hash")
+    ps = prompts((21, 40), seed=9)
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", moe_backend="grouped")
+    assert all(b.executor.limit == BASE["swiglu_limit"] for b in llm.engine.model.moe_blocks().values())
+    for p, o in zip(ps, llm.generate(ps, GREEDY)):
+        assert o.token_ids == reference(hf, p)
 
 
 @pytest.mark.timeout(180)

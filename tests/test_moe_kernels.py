@@ -15,7 +15,7 @@ from torch import nn
 from tandem import LLM, SamplingParams
 from tandem.kernels.moe_grouped import check_grouped_support, install_moe_executor, pack_expert_weights
 from tandem.models.layers.moe import make_moe_executor
-from moe_refs import dense_reference, make_experts, rel_err
+from moe_refs import dense_reference, make_clamped_experts, make_experts, rel_err
 from tiny_models import save_tiny_model
 
 E, K, H, INTER = 8, 2, 64, 32
@@ -61,6 +61,19 @@ def test_grouped_matches_torch_reference(dtype, tokens, mode):
         assert rel_err(out, truth) < max(2 * rel_err(ref, truth), 1e-2)
     # The reference still works on the packed (view) weights and gives the same answer.
     assert torch.equal(make_moe_executor("torch", experts)(x, ids, w), ref)
+
+
+@pytest.mark.parametrize("tokens", [5, 33])
+def test_grouped_clamps_like_deepseek_v4s_experts(tokens):
+    experts = make_clamped_experts(limit=0.5, seed=tokens)
+    x = torch.randn(tokens, H)
+    ids, w = routing("random", tokens, seed=tokens)
+    ref = make_moe_executor("torch", experts)(x, ids, w)
+    ex = make_moe_executor("grouped", experts)
+    assert ex.limit == 0.5
+    assert rel_err(ex(x, ids, w), ref) < 1e-5
+    ex.limit = None  # the clamp matters in this case: without it the result moves
+    assert rel_err(ex(x, ids, w), ref) > 1e-2
 
 
 def test_grouped_is_deterministic_and_handles_empty_batch():

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before this module's imports decorate kernels
 
-from moe_refs import dense_reference, make_experts, rel_err  # noqa: E402
+from moe_refs import dense_reference, make_clamped_experts, make_experts, rel_err  # noqa: E402
 from tandem.kernels.fused import fused_ops  # noqa: E402
 from triton_interp import interpreted_module, kernel_test_setup  # noqa: E402, F401 (autouse fixture)
 from tandem.kernels.moe_grouped import GroupedMoEExecutor  # noqa: E402
@@ -88,6 +88,20 @@ def test_small_path_matches_torch_reference(moe_small, monkeypatch, tokens, k, m
     assert out.shape == (tokens, H) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert torch.equal(ex(x, ids, w), out)  # deterministic
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_small_path_clamps_like_deepseek_v4s_experts(moe_small, tokens):
+    experts = make_clamped_experts(limit=0.5, seed=tokens)
+    x = torch.randn(tokens, H)
+    ids, w = routing("random", tokens, seed=tokens)
+    ref = make_moe_executor("torch", experts)(x, ids, w)
+    ex = GroupedMoEExecutor(experts, small_batch=True)
+    out = moe_small.fused_moe_small(x, ids, w, ex.w13, ex.w2, ex.limit)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert torch.equal(ex(x, ids, w), out)  # the executor hands the limit on
+    unclamped = moe_small.fused_moe_small(x, ids, w, ex.w13, ex.w2)
+    assert (unclamped - ref).abs().max() > 1e-2
 
 
 def test_small_path_reads_the_packed_stacks_directly(moe_small):

@@ -141,6 +141,9 @@ class GroupedMoEExecutor:
                     raise ValueError("the 'grouped' MoE executor supports bias-free expert Linears only")
         check_grouped_support(w.dtype, w.device, hidden, inter)
         self.experts = experts
+        # DeepSeek-V4's experts clamp their pre-activations (ClampedSwiGLU.limit): gate <= limit,
+        # |up| <= limit; None for a plain SwiGLU.
+        self.limit: float | None = getattr(experts[0], "limit", None)
         self.w13, self.w2 = pack_expert_weights(experts)
         self.num_experts, self.inter = len(experts), inter
         # For each expert e, a probe for searchsorted: offs[e] = number of sorted ids <= e.
@@ -169,13 +172,16 @@ class GroupedMoEExecutor:
             return torch.zeros_like(hidden)
         small = self.small
         if small is not None and num_tokens * k <= small.SMALL_MAX_PAIRS and small.fused_ops_enabled():
-            return small.fused_moe_small(hidden, topk_ids, topk_weights, self.w13, self.w2)
+            return small.fused_moe_small(hidden, topk_ids, topk_weights, self.w13, self.w2, self.limit)
         flat_ids = topk_ids.reshape(-1)  # [T*k]
         sorted_ids, order = torch.sort(flat_ids, stable=True)  # [T*k]; order: pair index, grouped by expert
         offs = torch.searchsorted(sorted_ids, self.expert_range, right=True, out_int32=True)  # [E] int32 group ends
         x = hidden[order // k]  # [T*k, H] rows in expert order
         h = torch._grouped_mm(x, self.w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
-        a = F.silu(h[:, : self.inter]) * h[:, self.inter :]  # [T*k, I]
+        gate, up = h[:, : self.inter], h[:, self.inter :]
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        a = F.silu(gate) * up  # [T*k, I]
         y_sorted = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)  # [T*k, H]
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted  # back to (token, slot) order; a permutation, so no accumulation

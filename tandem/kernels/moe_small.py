@@ -39,9 +39,9 @@ SMALL_MAX_PAIRS = 64
 @triton.jit
 def _gate_up_kernel(
     x_ptr, ids_ptr, wts_ptr, w13_ptr, act_ptr,  # x [T, H]; ids, wts [T*k]; w13 [E, 2I, H]; act [T*k, I] fp32
-    K, H, I,
+    K, H, I, limit,
     stride_xt, stride_we, stride_wn, stride_at,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CLAMP: tl.constexpr,
 ):
     pair = tl.program_id(0)  # token * K + slot
     tile = tl.program_id(1)
@@ -67,6 +67,9 @@ def _gate_up_kernel(
     gate = tl.sum(acc_g, 1)  # [BLOCK_N]
     up = tl.sum(acc_u, 1)
     weight = tl.load(wts_ptr + pair).to(tl.float32)
+    if CLAMP:  # DeepSeek-V4's SwiGLU: gate <= limit, |up| <= limit
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     act = gate / (1.0 + tl.exp(-gate)) * up * weight  # silu(gate) * up, times the routing weight
     tl.store(act_ptr + pair.to(tl.int64) * stride_at + offs_n, act, mask=n_ok)
 
@@ -119,11 +122,12 @@ def _pick_block_n(rows: int, programs_per_tile: int, target: int) -> int:
 
 
 def fused_moe_small(
-    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts for a small batch, the same contract as a MoE executor:
     hidden [T, H], topk_ids [T, k] (int), topk_weights [T, k], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]
-    in hidden's dtype. Meant for T * k <= SMALL_MAX_PAIRS: each (token, slot) reads its expert's
+    in hidden's dtype; `limit` clamps the pre-activations as DeepSeek-V4's experts do. Meant for T * k <= SMALL_MAX_PAIRS: each (token, slot) reads its expert's
     weights itself, so an expert shared by several tokens is read once per token (L2 helps)."""
     num_tokens, k = topk_ids.shape
     inter, hidden_size = w13.shape[1] // 2, w13.shape[2]
@@ -143,9 +147,9 @@ def fused_moe_small(
     block_n = _pick_block_n(inter, pairs, target)
     block_k = min(_MAX_TILE // block_n, 512, triton.next_power_of_2(hidden_size))
     _gate_up_kernel[(pairs, triton.cdiv(inter, block_n))](
-        hidden, ids, wts, w13, act, k, hidden_size, inter,
+        hidden, ids, wts, w13, act, k, hidden_size, inter, 0.0 if limit is None else float(limit),
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_n * block_k >= _MAX_TILE else 4,
+        BLOCK_N=block_n, BLOCK_K=block_k, CLAMP=limit is not None, num_warps=8 if block_n * block_k >= _MAX_TILE else 4,
     )
 
     # At T=1 one block spans all of I (I=768 -> 1024 lanes, 768 live): a whole slot's rows per

@@ -394,10 +394,9 @@ class DeepseekV4ForCausalLM(CausalLM):
     args_class = DeepseekV4Args
     # Prefill chunks run the paged torch reference (deepseek_v4_paged.py); decode and verify steps
     # the sync-free path (deepseek_v4_decode.py), its attention in torch or in Triton. Its experts
-    # clamp SwiGLU, which the fused GPU executor does not (the CPU expert kernel, installed by the
-    # offload loader, does).
+    # clamp SwiGLU: the torch, grouped (and its small-batch Triton path) and CPU executors all do.
     attention_backends = ("torch", "triton")
-    moe_executors = ("torch",)
+    moe_executors = ("torch", "grouped")
     # The decode path is sync-free, but no V4 graph has been captured and checked on a GPU yet.
     cuda_graphs = "DeepSeek-V4's decode CUDA graphs are not validated on a GPU yet"
 

@@ -12,10 +12,9 @@ shared) is a SwiGLU whose pre-activations are clamped: gate <= limit, |up| <= li
 The routed experts are per-expert modules (`experts.{e}.gate_proj/up_proj/down_proj`, the layout
 Tandem's loader and MoE executors read) run through the `MoEExecutor` contract of
 `tandem/models/layers/moe.py`: `executor(hidden [T, H], topk_ids [T, k], topk_weights [T, k])`.
-The torch reference executor applies the clamp (it calls the expert modules), and so does the CPU
+The torch reference executor applies the clamp (it calls the expert modules), and so do the CPU
 expert kernel (`CpuExpertLayer(swiglu_limit=...)`, set by the offload loader from the experts'
-`limit`); the fused GPU kernel computes an unclamped SwiGLU and must learn `swiglu_limit` before it
-can serve this model.
+`limit`) and the grouped GPU executor with its small-batch kernel (they read `limit` too).
 """
 
 from __future__ import annotations
