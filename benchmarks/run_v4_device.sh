@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# DeepSeek-V4 on the H200 in one device call (issue 18; about 8 minutes): first the GPU tests of
+# what no GPU has run yet (the V4 Triton attention, graph replay included; the engine on CUDA with
+# it; the MoE clamp in the small-batch kernel; the CPU-expert paths changed since the last GPU run),
+# then the V4-Flash shape on 4 layers against transformers and the roofline. Results under $OUT
+# (default ./out). The engine imports llguidance: carry its wheel (.whlg/) and put it on the path:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whlg/*.whl
+#   PYTHONPATH=/tmp/site:$PWD bash benchmarks/run_v4_device.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out}
+mkdir -p "$out"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_v4_attention_kernel.py tests/test_deepseek_v4_engine.py \
+    tests/test_moe_small.py tests/test_moe_kernels.py tests/test_gpu.py tests/test_gpu_offload.py \
+    tests/test_cpu_experts.py 2>&1 | tail -30 | tee "$out/gpu_tests.txt"
+python3 benchmarks/bench_v4.py --layers 4 --batches 1,8 --prompt 512 --new-tokens 64 --prefill 8192 \
+    --out "$out/v4.json" 2>&1 | grep -v "INFO\|Loading" | tail -40 | tee "$out/v4.txt"
