@@ -197,8 +197,14 @@ def test_native_tensor_names_load_the_same_model(tmp_path) -> None:
     assert a == b
 
 
-def test_triton_attention_is_refused_off_cuda(tmp_path) -> None:
+def test_what_it_cannot_run_is_refused_in_one_line(tmp_path) -> None:
     save_v4(tmp_path, "hash")
+    with pytest.raises(ValueError, match="num_speculative_tokens 5: .* rolls back at most 4 tokens"):
+        LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    with pytest.raises(ValueError, match="'dspark' reads the target's hidden states"):
+        LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB",
+            speculative_config={"method": "dspark", "model": str(tmp_path)})
     with pytest.raises(ValueError, match="--attention-backend triton: DeepSeek-V4's Triton attention runs on CUDA"):
         LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", attention_backend="triton")
 
@@ -261,3 +267,13 @@ def test_on_cuda_the_triton_attention_gives_the_reference_tokens(tmp_path) -> No
         assert llm.engine.model._kernel == (backend == "triton")
         for p, o in zip(ps, llm.generate(ps, GREEDY)):
             assert o.token_ids == reference(hf, p), (backend, len(p))
+
+
+def test_a_v4_checkpoint_is_planned_from_its_tensors(tmp_path) -> None:
+    from tandem.offload.planner import plan_memory
+
+    save_v4(tmp_path, "all_kinds")
+    plan = plan_memory(tmp_path, torch.float32, "cpu", max_model_len=128)
+    assert plan.fits and not plan.from_config_only and plan.kv_groups
+    # Every tensor of the checkpoint (the routers' bias buffers too), in fp32.
+    assert sum(plan.weights.values()) == sum(t.numel() * 4 for t in HFDeepseekV4.from_pretrained(tmp_path).state_dict().values())

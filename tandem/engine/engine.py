@@ -153,6 +153,7 @@ class LLMEngine:
         """The speculative-decoding stage, its drafter loaded and checked against the target (before
         the KV cache is planned: a draft model's own cache shares the budget)."""
         sc, mc = self.config.spec, self.config.model
+        self._check_spec_fits_the_model()
         spec = SpecDecoder.create(sc, self.tokenizer, self.max_model_len, self.model, mc.model, self.device,
                                   self.config.scheduler.max_num_batched_tokens, self.sampler.generator_for)
         draft_model = getattr(spec.proposer, "model", None)
@@ -166,6 +167,20 @@ class LLMEngine:
         logger.info("Speculative decoding: %s, num_speculative_tokens %d (%s), adaptive %s%s", sc.method,
                     sc.num_speculative_tokens, detail, sc.adaptive, phase_k)
         return spec
+
+    def _check_spec_fits_the_model(self) -> None:
+        """One line, before a drafter is loaded, for what the target's architecture cannot serve:
+        a drafter reading the target's hidden states from a model that cannot give them, or more
+        draft tokens a step than its compressed caches can roll back (one window of the smallest
+        ratio: KVCacheManager.trim)."""
+        sc = self.config.spec
+        if sc.method == "dspark" and type(self.model).forward_with_aux is CausalLM.forward_with_aux:
+            raise ValueError(f"speculative method 'dspark' reads the target's hidden states, which "
+                             f"{type(self.model).__name__} cannot give yet; use ngram")
+        ratios = [s.ratio for g in group_layers(self.model.kv_cache_specs()) if (s := g.spec).kind == "compressed"]
+        if ratios and sc.num_speculative_tokens > min(ratios):
+            raise ValueError(f"num_speculative_tokens {sc.num_speculative_tokens}: this model's ratio-{min(ratios)} "
+                             f"compressed cache rolls back at most {min(ratios)} tokens a step; use at most that")
 
     def _set_cpu_threads(self) -> None:
         threads = self.runner_config.cpu_threads
