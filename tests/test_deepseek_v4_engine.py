@@ -277,3 +277,23 @@ def test_a_v4_checkpoint_is_planned_from_its_tensors(tmp_path) -> None:
     assert plan.fits and not plan.from_config_only and plan.kv_groups
     # Every tensor of the checkpoint (the routers' bias buffers too), in fp32.
     assert sum(plan.weights.values()) == sum(t.numel() * 4 for t in HFDeepseekV4.from_pretrained(tmp_path).state_dict().values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_captured_decode_graphs_give_the_reference_tokens(tmp_path, monkeypatch) -> None:
+    """What `cuda_graphs` still keeps off: V4's decode and verify steps captured and replayed (fp32,
+    Triton attention, torch MoE... which is not capturable: every expert on the CPU instead), the
+    tokens against transformers. When this passes on a GPU, the flag can go."""
+    from tandem.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "cuda_graphs", True)
+    hf = save_v4(tmp_path, "all_kinds")
+    ps = prompts((5, 37, 70, 18))
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_memory="64MiB", attention_backend="triton",
+              cpu_moe=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine.runner.graphs, "no graph was captured"
+    for p, o in zip(ps, llm.generate(ps, GREEDY)):
+        assert o.token_ids == reference(hf, p), len(p)
+    eager = llm.engine.metrics.model_steps.labels(model_name=llm.engine.model_name, mode="eager")._value.get()
+    assert eager == 0
