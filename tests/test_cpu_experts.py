@@ -83,6 +83,24 @@ def test_matches_reference(isa, fmt):
                           bf16_intermediate=bf16 and isa == "avx512bf16" and fmt in ("bf16", "int4", "mxfp4"))
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "mxfp4"])
+def test_expert_id_minus_one_skips_the_pair(isa, fmt):
+    """-1 in topk_ids: the pair is computed elsewhere (a hot expert on the GPU); the others are
+    what a call with that pair's weight at zero gives, and a token with every pair skipped is 0."""
+    e, h, i = SHAPES["mxfp4" if fmt == "mxfp4" else "other"][0]
+    layer = ce.CpuExpertLayer.from_dense(*_weights(e, h, i), fmt)
+    x = torch.randn(9, h, generator=torch.Generator().manual_seed(4))
+    ids, w = _routing(9, 4, e, seed=4)
+    skip = torch.rand(9, 4, generator=torch.Generator().manual_seed(5)) < 0.4
+    skip[2] = True
+    y = layer(x, ids.masked_fill(skip, -1), w)
+    _assert_close(y, ce.reference_moe(x, ids, w.masked_fill(skip, 0), *layer.dequantized()), bf16_out=False,
+                  bf16_intermediate=isa == "avx512bf16" and fmt != "fp32")
+    assert torch.equal(y[2], torch.zeros(h))
+    with pytest.raises(ValueError, match=f"outside 0..{e - 1} \\(-1: skip\\)"):
+        layer(x, ids.masked_fill(skip, -2), w)
+
+
 # ---- the SwiGLU clamp (DeepSeek-V4's ClampedSwiGLU) ----------------------------------------------
 
 # With randn weights and inputs gate / up x have a std of sqrt(H) (~10 at H = 96): a limit of 4

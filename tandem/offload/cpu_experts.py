@@ -433,7 +433,7 @@ def _raise_status(call: _Call, num_experts: int) -> None:
     if call.status == 0:
         return
     if call.status == 1:
-        raise ValueError(f"topk_ids holds expert {call.bad_value}, outside 0..{num_experts - 1}")
+        raise ValueError(f"topk_ids holds expert {call.bad_value}, outside 0..{num_experts - 1} (-1: skip)")
     if call.status == 2:
         raise ValueError(f"num_tokens is {call.bad_value}, outside 0..{call.rows} (the buffers' rows)")
     if call.status == 3:

@@ -384,7 +384,7 @@ inline uint32_t activation(const Plan& p, int64_t q, int64_t h) {
 // Gathers this thread's pairs into the per-expert column-major activations, up to 16 columns
 // of one expert at a time (so each written cache line is filled at once).
 void phase0_gather(const Plan& p, int tid, int nthreads) {
-    const int64_t P = p.T * p.k, q1 = P * (tid + 1) / nthreads;
+    const int64_t P = p.start[p.A], q1 = P * (tid + 1) / nthreads;  // the pairs not skipped
     for (int64_t q0 = P * tid / nthreads; q0 < q1;) {
         const int a = p.pair_expert[q0];
         const int64_t n = p.start[a + 1] - p.start[a], j0 = q0 - p.start[a];
@@ -511,14 +511,18 @@ bool route(Plan& p, int nthreads) {
     int64_t* split = reinterpret_cast<int64_t*>(mem + round_up(int64_t(ints * 4 + P * 4), 8));
     std::memset(count, 0, E * 4);
     const int64_t base = p.t0 * p.k;
-    for (int64_t i = 0; i < P; ++i) ++count[id_at(c, base + i)];
+    // Expert id -1 skips the pair (its expert is computed elsewhere: a hot-expert cache on the GPU).
+    for (int64_t i = 0; i < P; ++i)
+        if (const int64_t e = id_at(c, base + i); e >= 0) ++count[e];
     int A = 0;
     start[0] = 0;
     for (int e = 0; e < E; ++e)
         if (count[e] > 0) expert[A] = e, start[A + 1] = start[A] + count[e], count[e] = A++;
     std::memcpy(pos, start, A * 4);
     for (int64_t i = 0; i < P; ++i) {
-        const int a = count[id_at(c, base + i)], q = pos[a]++;
+        const int64_t e = id_at(c, base + i);
+        if (e < 0) continue;
+        const int a = count[e], q = pos[a]++;
         pair_expert[q] = a, pair_tok[q] = int(i / p.k), pair_w[q] = weight_at(c, base + i);
     }
     // Phase-1 split: tile of expert a costs kTileCostTokens + n_a; thread i starts at cost W*i/N.
@@ -548,7 +552,7 @@ int run_call(tandem_call* c) {
     if (T < 0 || T > c->rows) return c->bad_value = T, ST_BAD_COUNT;
     for (int64_t i = 0; i < T * c->top_k; ++i) {
         int64_t e = id_at(c, i);
-        if (e < 0 || e >= c->num_experts) return c->bad_value = e, ST_BAD_EXPERT;
+        if (e < -1 || e >= c->num_experts) return c->bad_value = e, ST_BAD_EXPERT;
     }
     Plan p{c, Geometry(c->fmt, c->hidden, c->inter), nullptr, false, 0, 0, 0, 0, 0, 0,
            nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
