@@ -93,6 +93,11 @@ def _add_offload_flags(p: argparse.ArgumentParser) -> None:
                         "int8, int4 and mxfp4 from a bf16 checkpoint are LOSSY conversions")
     p.add_argument("--cpu-memory", default=None, metavar="SIZE",
                    help="plan for a machine with this much RAM, e.g. 256GiB (default: this machine's available RAM)")
+    p.add_argument("--hot-experts", default=None, metavar="FILE",
+                   help="with experts in RAM, also keep the most-used ones on the GPU, as counted by "
+                        "`tandem profile-experts` into FILE (with --hot-expert-memory)")
+    p.add_argument("--hot-expert-memory", default=None, metavar="SIZE",
+                   help="GPU memory for the hot experts, e.g. 4GiB")
 
 
 def offload_config(args: argparse.Namespace) -> OffloadConfig:
@@ -103,6 +108,8 @@ def offload_config(args: argparse.Namespace) -> OffloadConfig:
         cpu_moe_threads=args.cpu_moe_threads,
         cpu_moe_dtype=args.cpu_moe_dtype,
         cpu_memory=parse_size(args.cpu_memory) if args.cpu_memory else None,
+        hot_experts=args.hot_experts,
+        hot_expert_memory=parse_size(args.hot_expert_memory) if args.hot_expert_memory else None,
     )
 
 
@@ -242,11 +249,14 @@ def build_parser() -> FlagParser:
                                               "architecture, before downloading the weights)",
                                  formatter_class=HelpFormatter, allow_abbrev=False)
     _add_plan_flags(plan_parser)
+    from tandem.offload import profile
+
+    profile_parser = profile.add_parser(sub, HelpFormatter)
     # Listed for --help only: `run` hands `tandem bench ...` to tandem.bench.cli before this parser
     # sees it, so serving never imports the client-side bench code (httpx and the tools).
     sub.add_parser("bench", add_help=False, help="benchmark and quality tools for any OpenAI-compatible server "
                                                  "(`tandem bench --help` lists them)")
-    parser.commands = {"serve": serve_parser, "plan": plan_parser}
+    parser.commands = {"serve": serve_parser, "plan": plan_parser, "profile-experts": profile_parser}
     return parser
 
 
@@ -597,6 +607,10 @@ def run(argv: list[str] | None = None) -> int:
             return serve(args)
         if args.command == "plan":
             return plan(args)
+        if args.command == "profile-experts":
+            from tandem.offload import profile
+
+            return profile.run(args)
     except ValueError as e:
         parser.commands.get(args.command, parser).error(str(e))
     except OSError as e:

@@ -286,6 +286,10 @@ class OffloadConfig:
     # as it is); int8 / int4 (and mxfp4 from a bf16 checkpoint) are lossy conversions.
     cpu_moe_dtype: str = "auto"
     cpu_memory: int | None = None  # bytes of RAM to plan for (None: this machine's)
+    # Hot experts (tandem/offload/hot_experts.py): a `tandem profile-experts` calibration file, and
+    # the device bytes its most-used experts of the offloaded layers may take there as well.
+    hot_experts: str | None = None
+    hot_expert_memory: int | None = None
 
     def __post_init__(self) -> None:
         if self.cpu_moe and self.n_cpu_moe is not None:
@@ -303,6 +307,11 @@ class OffloadConfig:
             raise ValueError(f"--gpu-resident-moe-layers are layer indices (0 or more), got {layers}")
         if self.cpu_memory is not None and self.cpu_memory <= 0:
             raise ValueError("--cpu-memory must be positive")
+        if (self.hot_experts is None) != (self.hot_expert_memory is None):
+            raise ValueError("--hot-experts FILE and --hot-expert-memory SIZE go together: the calibration says "
+                             "which experts, the size how many")
+        if self.hot_expert_memory is not None and self.hot_expert_memory <= 0:
+            raise ValueError("--hot-expert-memory must be positive")
 
     @property
     def forced(self) -> bool:

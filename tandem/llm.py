@@ -57,6 +57,8 @@ class LLM:
         gpu_resident_moe_layers: str | tuple[int, ...] | None = None,
         cpu_moe_threads: int | None = None,
         cpu_moe_dtype: str = "auto",
+        hot_experts: str | None = None,
+        hot_expert_memory: str | int | None = None,
     ) -> None:
         """Keyword arguments as `tandem serve`'s flags; `speculative_config` is the
         `--speculative-config` JSON (or its dict), e.g. {"method": "ngram", "num_speculative_tokens": 3}.
@@ -72,7 +74,9 @@ class LLM:
             runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops, cpu_threads),
             offload=OffloadConfig(cpu_moe, n_cpu_moe, OffloadConfig.parse_layers(gpu_resident_moe_layers)
                                   if isinstance(gpu_resident_moe_layers, str) else gpu_resident_moe_layers,
-                                  cpu_moe_threads, cpu_moe_dtype),
+                                  cpu_moe_threads, cpu_moe_dtype, hot_experts=hot_experts,
+                                  hot_expert_memory=parse_size(hot_expert_memory) if hot_expert_memory is not None
+                                  else None),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

@@ -740,4 +740,16 @@ class LLMEngine:
         q, h = self.kv.prefix_queries, self.kv.prefix_hits
         line = self._window.line(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage, q, h)
         self._window = StatsWindow(time.monotonic(), q, h)
-        return line
+        return line + self._hot_expert_part()
+
+    def _hot_expert_part(self) -> str:
+        """`, Hot-expert hit rate: x% (y..z% by layer)` since start, and its gauges (syncs: stats time only)."""
+        sink = getattr(self.model, "cpu_experts", None)
+        rates = sink.hot_hit_rates() if sink is not None else {}
+        if not rates:
+            return ""
+        for layer, rate in rates.items():
+            self.metrics.hot_expert_hit_rate.labels(model_name=self.model_name, layer=str(layer)).set(rate)
+        mean = sum(rates.values()) / len(rates)
+        return (f", Hot-expert hit rate: {100 * mean:.1f}% ({100 * min(rates.values()):.1f}-"
+                f"{100 * max(rates.values()):.1f}% over {len(rates)} layers)")

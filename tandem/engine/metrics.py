@@ -35,6 +35,9 @@ class EngineMetrics:
                                      "Drafter forward passes, by how they ran (cuda_graph, eager, prefill).",
                                      labels + ["mode"], registry=r)
         self.success = Counter("tandem:request_success", "Finished requests.", labels + ["finished_reason"], registry=r)
+        self.hot_expert_hit_rate = Gauge("tandem:hot_expert_hit_rate",
+                                         "Share of a layer's (token, expert) pairs its hot experts on the GPU served, "
+                                         "since start (updated with the stats line).", labels + ["layer"], registry=r)
         # Speculative decoding, vLLM's names; each also labelled with the request's phase.
         spec = labels + ["phase"]
         self.spec_drafts = Counter("tandem:spec_decode_num_drafts", "Drafts verified.", spec, registry=r)

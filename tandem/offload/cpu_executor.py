@@ -18,6 +18,7 @@ real rows of the padded batch into it (`live_rows`), so the kernel skips the pad
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import logging
@@ -28,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from tandem.offload.hot_experts import HotExpertsExecutor
 
 if TYPE_CHECKING:
     from tandem.offload.cpu_experts import CpuExpertLayer
@@ -144,6 +147,12 @@ class OffloadedExperts:
         self.layers: dict[int, CpuExpertLayer] = {}
         self._pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.staging: Staging | None = None
+        # Hot experts (hot_experts.py): also kept on the device, built from a meta template of the
+        # layer's expert module once the checkpoint's three tensors of one have come.
+        self.hot = dict(placement.hot)
+        self._templates: dict[int, nn.Module] = {}
+        self._hot_weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.hot_executors: dict[int, HotExpertsExecutor] = {}
 
     def prepare(self, model: nn.Module) -> None:
         """On the meta model: detach the offloaded layers' experts (kept as shapes only)."""
@@ -155,6 +164,8 @@ class OffloadedExperts:
             if i in self.layers_in_ram:
                 hidden, inter = block.experts[0].down_proj.weight.shape
                 limit = getattr(block.experts[0], "limit", None)  # DeepSeek-V4's SwiGLU clamp
+                if i in self.hot:
+                    self._templates[i] = copy.deepcopy(block.experts[0])  # on meta: shapes only
                 block.detach_experts()
                 self.layers[i] = cpu_experts.CpuExpertLayer.empty(block.num_experts, hidden, inter,
                                                                   self.placement.cpu_format, swiglu_limit=limit)
@@ -177,6 +188,8 @@ class OffloadedExperts:
         parts[m.group(3)] = tensor
         if len(parts) == 3:
             self.layers[key[0]].set_expert(key[1], parts["gate_proj"], parts["up_proj"], parts["down_proj"])
+            if key[1] in self.hot.get(key[0], ()):
+                self._hot_weights[key] = parts
             del self._pending[key]
 
     def install(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -189,12 +202,35 @@ class OffloadedExperts:
         if device.type == "cuda" and self.layers:
             first = blocks[min(self.layers)]
             self.staging = Staging(self.staging_rows, first.gate.in_features, first.top_k, dtype, device)
+        device_executor = "grouped" if device.type == "cuda" and dtype == torch.bfloat16 else "torch"
         for i, layer in self.layers.items():
-            blocks[i].set_executor(CpuMoEExecutor(layer, self.staging))
+            executor = CpuMoEExecutor(layer, self.staging)
+            if i in self.hot:
+                hot = nn.ModuleList(self._hot_expert(i, e, device, dtype) for e in self.hot[i])
+                executor = self.hot_executors[i] = HotExpertsExecutor(executor, hot, self.hot[i], blocks[i].num_experts,
+                                                                      device_executor)
+            blocks[i].set_executor(executor)
+        self._hot_weights.clear()
+        if self.hot:
+            logger.info("Hot experts on %s: %d over %d layers (%.2f GiB, %s; predicted hit rate %.1f%%)", device,
+                        sum(map(len, self.hot.values())), len(self.hot), self.placement.hot_bytes / 2**30,
+                        self.placement.hot_source, 100 * self.placement.hot_hit_rate)
         model.cpu_experts = self  # the runner writes a graph replay's real rows into live_rows
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         logger.info("CPU experts installed on layers %s; peak RSS %.2f GiB (experts in RAM %.2f GiB)",
                     _short(sorted(self.layers)), peak / 2**30, self.placement.cpu_bytes / 2**30)
+
+    def _hot_expert(self, layer: int, expert: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        module = copy.deepcopy(self._templates[layer]).to_empty(device=device).to(dtype).requires_grad_(False)
+        with torch.no_grad():
+            for name, tensor in self._hot_weights[(layer, expert)].items():
+                getattr(module, name).weight.copy_(tensor)
+        return module
+
+    def hot_hit_rates(self) -> dict[int, float]:
+        """Per layer with hot experts, the share of its (token, slot) pairs they served (syncs)."""
+        rates = {i: ex.hit_rate() for i, ex in self.hot_executors.items()}
+        return {i: r for i, r in rates.items() if r is not None}
 
     @property
     def live_rows(self) -> torch.Tensor | None:

@@ -15,12 +15,13 @@ Policy, in the order the flags are read:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from tandem.config import OffloadConfig
 from tandem.models.loader import LAYER_INDEX
+from tandem.offload.hot_experts import ExpertCounts, choose_hot
 
 GiB = 1024**3
 MiB = 1024**2
@@ -77,6 +78,17 @@ class Placement:
     inter_size: int
     run_elem: int  # bytes per element of the run dtype
     problems: tuple[str, ...] = field(default=())
+    # Hot experts (hot_experts.py): per offloaded layer, the experts also kept on the device, and
+    # the share of the calibration's pairs they take (the predicted hit rate).
+    hot: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    hot_hit_rate: float = 0.0
+    hot_source: str = ""
+
+    @property
+    def hot_bytes(self) -> int:
+        """Device bytes of the hot experts (run dtype)."""
+        per = self.hidden_size * self.inter_size * 3 * self.run_elem
+        return per * sum(len(ids) for _, ids in self.hot)
 
     @property
     def cpu_layers(self) -> tuple[int, ...]:
@@ -92,7 +104,7 @@ class Placement:
 
     @property
     def gpu_bytes(self) -> int:
-        return self.global_gpu_bytes + sum(p.gpu_bytes for p in self.layers)
+        return self.global_gpu_bytes + sum(p.gpu_bytes for p in self.layers) + self.hot_bytes
 
     @property
     def cpu_bytes(self) -> int:
@@ -131,6 +143,11 @@ class Placement:
                          f"{p.gpu_bytes / MiB:9.1f} {p.cpu_bytes / MiB:9.1f}{each}")
         lines.append(f"    {'(global)':<12} {'':<6} {'':<11} {self.global_gpu_bytes / MiB:9.1f} {0:9.1f}"
                      "   embeddings, lm_head, final norm")
+        if self.hot:
+            n = sum(len(ids) for _, ids in self.hot)
+            lines.append(f"    {'(hot)':<12} {'':<6} {'gpu':<11} {self.hot_bytes / MiB:9.1f} {0:9.1f}   {n} hot experts "
+                         f"over {len(self.hot)} layers, also in RAM; predicted hit rate {100 * self.hot_hit_rate:.1f}% "
+                         f"({self.hot_source})")
         lines.append(f"  weights on the GPU {self.gpu_bytes / GiB:.2f} GiB, routed experts in RAM "
                      f"{self.cpu_bytes / GiB:.2f} GiB")
         return lines
@@ -197,6 +214,10 @@ def plan_placement(
     num_experts, top_k = (first.num_experts, first.top_k) if first is not None else (0, 0)
     hidden, inter = tuple(first.experts[0].down_proj.weight.shape) if first is not None else (0, 0)
     per_cpu = expert_bytes(fmt, hidden, inter) if first is not None else 0
+    fixed = outside + sum(other.values()) + kv_min_bytes
+
+    def gpu_need(cpu: set[int]) -> int:
+        return fixed + sum(n for i, n in experts.items() if i not in cpu)
 
     def placement(cpu: set[int], reason: str, problems: tuple[str, ...] = ()) -> Placement:
         layers = []
@@ -206,7 +227,18 @@ def plan_placement(
             ram = blocks[i].num_experts * per_cpu if on_cpu else 0
             layers.append(LayerPlacement(i, i in blocks, ("cpu" if on_cpu else "gpu") if i in blocks else None, gpu, ram,
                                          experts.get(i, 0)))
-        return Placement(tuple(layers), fmt, reason, outside, num_experts, top_k, hidden, inter, elem, problems)
+        p = Placement(tuple(layers), fmt, reason, outside, num_experts, top_k, hidden, inter, elem, problems)
+        if offload.hot_experts is None or not p.cpu_layers:
+            return p
+        counts = ExpertCounts.load(offload.hot_experts, num_experts, set(blocks))
+        assert offload.hot_expert_memory is not None  # OffloadConfig checks they come together
+        hot, rate = choose_hot(counts, list(p.cpu_layers), offload.hot_expert_memory, 3 * hidden * inter * elem)
+        p = replace(p, hot=tuple(hot.items()), hot_hit_rate=rate, hot_source=f"--hot-experts {offload.hot_experts}")
+        if gpu_budget is not None and not problems and gpu_need(cpu) + p.hot_bytes > gpu_budget:
+            short = (gpu_need(cpu) + p.hot_bytes - gpu_budget) / GiB
+            p = replace(p, problems=(f"the hot experts ({p.hot_bytes / GiB:.2f} GiB) do not fit beside the rest of the "
+                                     f"GPU part ({short:.2f} GiB short); lower --hot-expert-memory",))
+        return p
 
     resident = offload.gpu_resident_moe_layers
     if isinstance(resident, tuple) and (unknown := sorted(set(resident) - set(blocks))):
@@ -226,11 +258,6 @@ def plan_placement(
             cpu = {i for i in blocks if i < offload.n_cpu_moe}
             return placement(cpu, f"CPU run, --n-cpu-moe {offload.n_cpu_moe}: those layers on the CPU expert kernel")
         return placement(set(), "CPU run: routed experts run by the torch executor (--cpu-moe for the CPU kernel)")
-
-    fixed = outside + sum(other.values()) + kv_min_bytes
-
-    def gpu_need(cpu: set[int]) -> int:
-        return fixed + sum(n for i, n in experts.items() if i not in cpu)
 
     if offload.n_cpu_moe is not None:
         cpu = {i for i in blocks if i < offload.n_cpu_moe}

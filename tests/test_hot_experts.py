@@ -1,0 +1,142 @@
+"""Hot experts (tandem/offload/hot_experts.py): `tandem profile-experts` counts routing through the
+engine, the planner spends --hot-expert-memory on the most-counted experts of the layers in RAM,
+and a layer then splits its pairs between those (on the device) and the CPU kernel; greedy
+tokens stay those of the model with every expert on the CPU, fp32 on CPU (where the "device"
+part is the torch executor: the split, not the speed, is what runs here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.cli import run
+from tandem.config import OffloadConfig
+from tandem.offload.hot_experts import ExpertCounts, HotExpertsExecutor, choose_hot, record_routing
+from tiny_models import save_tiny_model
+
+pytest.importorskip("tandem.offload.cpu_experts")
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "def reverse(xs):", "Seventeen plus twenty-five is"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("hot")
+    save_tiny_model(d, "qwen3_moe", seed=4, num_hidden_layers=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def counts_file(model_dir, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("counts")
+    prompts = d / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:2]) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+                       + "\n")
+    out = d / "counts.json"
+    assert run(["profile-experts", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--device", "cpu",
+                "--max-tokens", "12", "--kv-cache-memory", "16MiB"]) == 0
+    return out
+
+
+def test_profile_counts_every_pair_of_every_layer(counts_file) -> None:
+    counts = ExpertCounts.load(counts_file, num_experts=8, layers={0, 1, 2})
+    assert set(counts.counts) == {0, 1, 2}
+    assert all(sum(c) == counts.tokens * 2 for c in counts.counts.values())  # top-2
+    assert counts.tokens > 20 and max(max(c) for c in counts.counts.values()) > 0
+
+
+def test_record_routing_counts_what_the_router_picks(model_dir) -> None:
+    llm = LLM(str(model_dir), device="cpu", kv_cache_memory="16MiB")
+    model = llm.engine.model
+    picks = []
+    gate = model.moe_blocks()[1].gate
+    hook = gate.register_forward_hook(lambda _m, _i, out: picks.append(out.topk(2, dim=-1).indices.flatten()))
+    with record_routing(model) as counts:
+        llm.generate(PROMPTS[:1], GREEDY)
+    hook.remove()
+    assert torch.equal(counts[1], torch.bincount(torch.cat(picks), minlength=8))
+    assert all(not type(b.executor).__name__.startswith("_Counting") for b in model.moe_blocks().values())
+
+
+def test_choose_hot_takes_the_most_counted_pairs_within_the_budget() -> None:
+    counts = ExpertCounts("m", 10, {0: (5, 0, 9, 1), 1: (3, 8, 0, 0), 2: (100, 0, 0, 0)})
+    hot, rate = choose_hot(counts, [0, 1], budget=3 * 10, bytes_per_expert=10)  # layer 2 is on the GPU
+    assert hot == {0: (0, 2), 1: (1,)} and rate == pytest.approx((9 + 8 + 5) / 26)
+    assert choose_hot(counts, [0, 1], budget=9, bytes_per_expert=10) == ({}, 0.0)
+
+
+def test_greedy_tokens_with_hot_experts_equal_all_on_the_cpu(model_dir, counts_file) -> None:
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True)
+    want = [o.token_ids for o in LLM(str(model_dir), **kw).generate(PROMPTS, GREEDY)]
+    per_expert = 3 * 64 * 32 * 4
+    llm = LLM(str(model_dir), hot_experts=str(counts_file), hot_expert_memory=7 * per_expert, **kw)
+    sink = llm.engine.model.cpu_experts
+    assert sum(map(len, sink.hot.values())) == 7
+    blocks = llm.engine.model.moe_blocks()
+    assert {i for i, b in blocks.items() if isinstance(b.executor, HotExpertsExecutor)} == set(sink.hot)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    rates = sink.hot_hit_rates()
+    assert rates and all(0 < r < 1 for r in rates.values())
+    assert "Hot-expert hit rate:" in llm.engine.stats_line()
+    from prometheus_client import generate_latest
+
+    metrics = generate_latest(llm.engine.metrics.registry).decode()
+    assert all(f'layer="{i}"' in metrics for i in rates) and "tandem:hot_expert_hit_rate" in metrics
+
+
+def test_the_plan_shows_the_hot_experts_and_their_predicted_hit_rate(model_dir, counts_file) -> None:
+    from tandem.offload.planner import plan_memory
+
+    per_expert = 3 * 64 * 32 * 2  # bf16 on the GPU
+    offload = OffloadConfig(cpu_moe=True, hot_experts=str(counts_file), hot_expert_memory=5 * per_expert)
+    plan = plan_memory(model_dir, torch.bfloat16, "cuda", device_bytes=1 << 30, offload=offload, max_model_len=256)
+    assert plan.fits and plan.placement.hot_bytes == 5 * per_expert
+    text = plan.render()
+    assert "5 hot experts over" in text and "predicted hit rate" in text and str(counts_file) in text
+    # A GPU budget one byte short of the rest plus the hot experts: refused, naming the flag.
+    from tandem.models.loader import build_meta_model, inspect_checkpoint
+    from tandem.offload.placement import plan_placement
+
+    info = inspect_checkpoint(model_dir)
+    meta = build_meta_model(info.model_class, info.config, torch.bfloat16, model_dir / "config.json")
+    rest = plan_placement(meta, torch.bfloat16, OffloadConfig(cpu_moe=True), 1 << 40, 0).gpu_bytes
+    tight = plan_placement(meta, torch.bfloat16, offload, rest + 5 * per_expert - 1, 0)
+    assert tight.hot_bytes == 5 * per_expert and any("lower --hot-expert-memory" in p for p in tight.problems)
+    assert not plan_placement(meta, torch.bfloat16, offload, rest + 5 * per_expert, 0).problems
+
+
+def test_bad_calibration_files_are_named(model_dir, tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match=f"--hot-experts {bad}: not a tandem_expert_counts_v1 file"):
+        LLM(str(model_dir), device="cpu", kv_cache_memory="16MiB", cpu_moe=True, hot_experts=str(bad),
+            hot_expert_memory="1MiB")
+    other = tmp_path / "other.json"
+    ExpertCounts("x", 1, {7: (1,) * 8}).save(other)
+    with pytest.raises(ValueError, match="layers \\[7\\], which are not MoE layers of this model"):
+        ExpertCounts.load(other, num_experts=8, layers={0, 1, 2})
+    with pytest.raises(ValueError, match="--hot-experts FILE and --hot-expert-memory SIZE go together"):
+        OffloadConfig(cpu_moe=True, hot_experts=str(other))
+
+
+def test_deepseek_v4_hot_experts_keep_the_swiglu_clamp(tmp_path) -> None:
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from test_deepseek_v4_engine import GREEDY as V4_GREEDY
+    from test_deepseek_v4_engine import prompts, save_v4
+
+    save_v4(tmp_path / "m", "hash")
+    ps = prompts((17, 30), seed=3)
+    kw = dict(device="cpu", kv_cache_memory="8MiB", cpu_moe=True)
+    llm = LLM(str(tmp_path / "m"), **kw)
+    with record_routing(llm.engine.model) as counts:
+        want = [o.token_ids for o in llm.generate(ps, V4_GREEDY)]
+    ExpertCounts("v4", 1, {i: tuple(c.tolist()) for i, c in counts.items()}).save(tmp_path / "counts.json")
+    hot = LLM(str(tmp_path / "m"), hot_experts=str(tmp_path / "counts.json"), hot_expert_memory=4 * 3 * 48 * 24 * 4, **kw)
+    executors = hot.engine.model.cpu_experts.hot_executors
+    assert executors and all(m.limit == 0.5 for ex in executors.values() for m in ex.device_part.experts)
+    assert [o.token_ids for o in hot.generate(ps, V4_GREEDY)] == want
