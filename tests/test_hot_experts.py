@@ -140,3 +140,24 @@ def test_deepseek_v4_hot_experts_keep_the_swiglu_clamp(tmp_path) -> None:
     executors = hot.engine.model.cpu_experts.hot_executors
     assert executors and all(m.limit == 0.5 for ex in executors.values() for m in ex.device_part.experts)
     assert [o.token_ids for o in hot.generate(ps, V4_GREEDY)] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_split_runs_eagerly_and_in_a_graph(model_dir, counts_file) -> None:
+    """The hot experts on a side stream beside the CPU host node. fp32, eager (the torch executor
+    on the device): the all-CPU run's tokens. bf16 (the grouped executor): the decode graphs give
+    the eager run's tokens."""
+    kw = dict(device="cuda", kv_cache_memory="64MiB", cpu_moe=True, hot_experts=str(counts_file),
+              hot_expert_memory="1MiB")
+    want = [o.token_ids for o in LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_memory="64MiB",
+                                     cpu_moe=True).generate(PROMPTS, GREEDY)]
+    llm = LLM(str(model_dir), dtype="float32", **kw)
+    assert llm.engine.model.cpu_experts.hot_executors and not llm.engine.runner.graphs  # torch: not capturable
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=eager, **kw)
+        assert bool(llm.engine.runner.graphs) != eager
+        runs.append([o.token_ids for o in llm.generate(PROMPTS, GREEDY)])
+    assert runs[0] == runs[1]

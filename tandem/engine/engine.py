@@ -229,6 +229,11 @@ class LLMEngine:
             blockers.append(f"attention backend {rc.attention_backend!r}")
         if has_moe and rc.moe_executor not in CAPTURABLE_MOE:
             blockers.append(f"MoE executor {rc.moe_executor!r}")
+        sink = getattr(self.model, "cpu_experts", None)
+        hot = {ex.device_executor for ex in (sink.hot_executors.values() if sink is not None else ())}
+        if hot - CAPTURABLE_MOE:
+            blockers.append(f"the hot experts' executor {sorted(hot - CAPTURABLE_MOE)[0]!r} (--dtype bfloat16 uses "
+                            "'grouped')")
         why = f"{' and '.join(blockers)} cannot be captured" if blockers else ""
         if self.model.cuda_graphs is not True:
             why = "; ".join(filter(None, (str(self.model.cuda_graphs), why)))

@@ -94,6 +94,7 @@ class HotExpertsExecutor:
         device = next(hot_experts.parameters()).device
         self.local = torch.full((num_experts,), -1, dtype=torch.int64, device=device)  # expert -> hot slot, or -1
         self.local[torch.tensor(hot_ids, device=device)] = torch.arange(len(hot_ids), device=device)
+        self.device_executor = device_executor  # its name: the engine captures graphs only over capturable ones
         self.device_part = make_moe_executor(device_executor, hot_experts)
         self.hits = torch.zeros((), dtype=torch.int64, device=device)  # pairs served by hot experts
         self.pairs = torch.zeros((), dtype=torch.int64, device=device)
