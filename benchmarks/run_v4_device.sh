@@ -18,3 +18,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_cpu_experts.py tests/test_de
     | tee "$out/cpu_tests.txt"
 python3 benchmarks/bench_v4.py --layers 4 --batches 1,8 --prompt 512 --new-tokens 64 --prefill 8192 \
     --out "$out/v4.json" 2>&1 | grep -v "INFO\|Loading" | tail -40 | tee "$out/v4.txt"
+# Issue 17's hot-expert cache under the demo model's recorded routing: decode with every expert in
+# RAM, then with 8 GiB of hot experts on the GPU (V4-Flash expert shape, 4 layers, bf16).
+python3 benchmarks/bench_hot_experts.py --layers 4 --hot-gib 8 --batches 1,4 --out "$out/hot.json" 2>&1 \
+    | grep -v "INFO\|Loading" | tail -12 | tee "$out/hot.txt"

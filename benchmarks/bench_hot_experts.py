@@ -1,0 +1,166 @@
+"""Decode with routed experts in RAM, with and without the hot-expert cache on the GPU, under a
+skewed routing recorded from the demo model (issue 17's hot-cache measurement).
+
+Random weights route about uniformly, where a cache cannot help; so each MoE layer's choices are
+replaced by draws from a recorded distribution:
+
+  * `benchmarks/traces/demo_expert_counts.json`, written by
+        python -m tandem.cli profile-experts tandem/assets/demo --prompts benchmarks/traces/demo_eval_prompts.jsonl \
+            --out benchmarks/traces/demo_expert_counts.json --device cpu --dtype float32 --max-tokens 256
+    (the demo model's 8 layers x 32 experts over its 24 held-out prompts, 3 per task family);
+  * layer l of the benchmark model takes demo layer l mod 8; demo expert j's share is split evenly
+    over the shape's experts j * E/32 .. (j + 1) * E/32 - 1;
+  * per layer, a table of 4096 rows of top-k distinct experts is drawn (without replacement, in
+    proportion to those shares, seed 0) and decode step rows read it in turn (a device counter:
+    the graphs replay it); the router's own weights are kept;
+  * the calibration file the planner picks hot experts from is drawn the same way with seed 1 (so
+    the cache is chosen from a sample, not from the rows the run will read).
+
+Both runs in one process on the same weights: no cache, then `--hot-gib` of hot experts; decode
+tok/s at each batch, and the hit rate measured against the one the planner predicted.
+
+    python benchmarks/bench_hot_experts.py --layers 8 --hot-gib 8 --out hot.json     # V4-Flash expert shape
+    python benchmarks/bench_hot_experts.py --shape tiny --device cpu --hot-gib 0.0002 --batches 1,2   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import SHAPES, free_device_memory, materialize_random, model_dir, run_decode  # noqa: E402
+from bench_offload import DISTINCT_SETS, make_engine  # noqa: E402
+
+from tandem.config import OffloadConfig  # noqa: E402
+from tandem.models.loader import build_meta_model  # noqa: E402
+from tandem.models.registry import get_model_class  # noqa: E402
+from tandem.offload.cpu_executor import OffloadedExperts  # noqa: E402
+from tandem.offload.hot_experts import ExpertCounts  # noqa: E402
+from tandem.offload.placement import plan_placement  # noqa: E402
+
+TRACE = Path(__file__).resolve().parent / "traces" / "demo_expert_counts.json"
+ROWS = 4096
+
+
+def layer_shares(demo: ExpertCounts, layers: list[int], num_experts: int) -> dict[int, torch.Tensor]:
+    """Per benchmark layer, the probability of each of its experts (see the module docstring)."""
+    out = {}
+    demo_layers = sorted(demo.counts)
+    for i in layers:
+        counts = torch.tensor(demo.counts[demo_layers[i % len(demo_layers)]], dtype=torch.float64)
+        p = counts / counts.sum()
+        if num_experts >= p.numel():  # split each demo expert's share over num_experts / 32 experts
+            per = num_experts // p.numel()
+            out[i] = (p / per).repeat_interleave(per)
+        else:  # a smaller shape (the smoke test's): fold groups of demo experts into one
+            out[i] = p.view(num_experts, -1).sum(-1)
+    return out
+
+
+def draw(shares: dict[int, torch.Tensor], top_k: int, rows: int, seed: int) -> dict[int, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {i: torch.multinomial(p.expand(rows, -1), top_k, replacement=False, generator=g) for i, p in shares.items()}
+
+
+class TableRouting:
+    """Wraps a layer's executor: its topk_ids become the next rows of a table (a device counter)."""
+
+    def __init__(self, inner, table: torch.Tensor) -> None:  # noqa: ANN001
+        self.inner, self.table = inner, table
+        self.at = torch.zeros((), dtype=torch.int64, device=table.device)
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        rows = (self.at + torch.arange(topk_ids.shape[0], device=topk_ids.device)) % self.table.shape[0]
+        self.at += topk_ids.shape[0]
+        return self.inner(hidden, self.table[rows], topk_weights)
+
+
+def build(cfg: dict, path: Path, device: str, dtype: torch.dtype, offload: OffloadConfig, threads: int | None,
+          rows: int):
+    """The model with every routed expert in RAM (random), plus the placement's hot experts."""
+    model = build_meta_model(get_model_class(cfg["model_type"]), cfg, dtype, path / "config.json")
+    placement = plan_placement(model, dtype, offload, None if device == "cpu" else 1 << 50, 0)
+    sink = OffloadedExperts(placement, threads, staging_rows=rows)
+    sink.prepare(model)
+    model = materialize_random(model, device)
+    h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    g = torch.Generator().manual_seed(1)
+    sets = [tuple((torch.randn(*s, generator=g) * 0.02).to(dtype) for s in ((i, h), (i, h), (h, i)))
+            for _ in range(DISTINCT_SETS)]
+    first = None
+    for layer, packed in sink.layers.items():
+        if first is None:
+            for e in range(packed.num_experts):
+                packed.set_expert(e, *sets[e % DISTINCT_SETS])
+            first = packed
+        else:
+            packed.data.copy_(first.data)
+        for e in sink.hot.get(layer, ()):  # what the loader's take() keeps for a hot expert
+            sink._hot_weights[(layer, e)] = dict(zip(("gate_proj", "up_proj", "down_proj"), sets[e % DISTINCT_SETS]))
+    sink.install(model, torch.device(device), dtype)
+    return model, sink, placement
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=("v4-flash-experts", "qwen3-30b-a3b", "tiny"), default="v4-flash-experts")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--hot-gib", type=float, default=8.0, help="--hot-expert-memory of the cached run")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = dict(SHAPES[args.shape], num_hidden_layers=args.layers)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    batches = [int(b) for b in args.batches.split(",")]
+    demo = ExpertCounts.load(TRACE)
+    layers = list(range(args.layers))
+    shares = layer_shares(demo, layers, cfg["num_experts"])
+    table = draw(shares, cfg["num_experts_per_tok"], ROWS, seed=0)
+    calib = draw(shares, cfg["num_experts_per_tok"], ROWS, seed=1)
+    results: dict = {"shape": args.shape, "layers": args.layers, "trace": str(TRACE), "runs": []}
+    with tempfile.TemporaryDirectory() as tmp, model_dir(cfg) as path:
+        counts_file = Path(tmp) / "counts.json"
+        ExpertCounts("bench", ROWS, {i: tuple(torch.bincount(t.flatten(), minlength=cfg["num_experts"]).tolist())
+                                     for i, t in calib.items()}).save(counts_file)
+        for hot in (0.0, args.hot_gib):
+            offload = OffloadConfig(cpu_moe=True, cpu_moe_threads=args.threads,
+                                    **({"hot_experts": str(counts_file), "hot_expert_memory": int(hot * 2**30)}
+                                       if hot else {}))
+            model, sink, placement = build(cfg, path, args.device, dtype, offload, args.threads,
+                                           max(batches) * 2 + 512)
+            for i, block in model.moe_blocks().items():
+                block.set_executor(TableRouting(block.executor, table[i].to(args.device)))
+            engine = make_engine(path, model, args.device, dtype, 1 << 30, max(batches), args.prompt + args.new_tokens + 64)
+            run = {"hot_gib": hot, "hot_experts": sum(len(e) for _, e in placement.hot),
+                   "predicted_hit_rate": placement.hot_hit_rate, "decode": []}
+            for b in batches:
+                run_decode(engine, b, args.prompt, 4, seed=100 + b)  # warm-up
+                r = run_decode(engine, b, args.prompt, args.new_tokens, seed=b)
+                run["decode"].append(r)
+                print(f"hot {hot:g} GiB, batch {b}: {r['decode_tok_s']:.2f} tok/s ({r['graph_steps']}/{r['steps']} "
+                      "in graphs)", flush=True)
+            rates = sink.hot_hit_rates()
+            run["measured_hit_rate"] = sum(rates.values()) / len(rates) if rates else 0.0
+            print(f"hot {hot:g} GiB: {run['hot_experts']} hot experts, hit rate predicted "
+                  f"{100 * run['predicted_hit_rate']:.1f}% measured {100 * run['measured_hit_rate']:.1f}%", flush=True)
+            results["runs"].append(run)
+            del engine, model, sink
+            free_device_memory()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
