@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import numbers
 import time
-from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -19,21 +18,18 @@ from typing import Mapping, Sequence
 import torch
 
 from tandem.attention import get_attention_backend
-from tandem.config import EngineConfig, RunnerConfig, usable_cpus
+from tandem.config import EngineConfig, usable_cpus
 from tandem.core import ErrorKind, ParamError, Request, RequestOutput, SamplingParams, TokenLogprobs
+from tandem.engine import startup
 from tandem.engine.metrics import EngineMetrics, StatsWindow
 from tandem.engine.output import RequestState, take_token
 from tandem.engine.runner import ModelRunner, allocate_kv_caches
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.structured import StepMasks, StructuredOutputs
-from tandem.kv.groups import group_blocks
 from tandem.kv.manager import KVCacheManager
-from tandem.kv.spec import CacheGroup, group_layers, page_dtype_of, with_page_dtype
 from tandem.models.base import CausalLM
-from tandem.models.loader import CheckpointInfo, inspect_checkpoint, load_checkpoint
-from tandem.offload.cpu_executor import OffloadedExperts
-from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, gpu_weight_bytes, kv_blocks, kv_capacity, plan_memory
+from tandem.models.loader import inspect_checkpoint, load_checkpoint
 from tandem.spec.controller import SpecDecoder
 from tandem.spec.proposer import Draft
 from tandem.spec.verify import VerifyResult, accept_greedy, is_plain_greedy, verify
@@ -77,24 +73,6 @@ def _all_ints(values: Sequence[object]) -> bool:
     return all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
 
 
-def _fit_to_model(asked: RunnerConfig, resolved: RunnerConfig, model: CausalLM) -> RunnerConfig:
-    """The resolved runner config within what the architecture runs (`CausalLM.attention_backends`,
-    `.moe_executors`): "auto" falls back to the model's own (logged); an explicit flag outside
-    them is refused in one line."""
-    changes = {}
-    for field, flag, allowed in (("attention_backend", "--attention-backend", model.attention_backends),
-                                 ("moe_executor", "--moe-executor", model.moe_executors)):
-        value = getattr(resolved, field)
-        if allowed is None or value in allowed:
-            continue
-        name = type(model).__name__
-        if getattr(asked, field) != "auto":
-            raise ValueError(f"{flag} {value}: {name} runs only {', '.join(allowed)}")
-        logger.info("%s %s: %s runs only %s; using %s", flag, value, name, ", ".join(allowed), allowed[0])
-        changes[field] = allowed[0]
-    return replace(resolved, **changes) if changes else resolved
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         """Load the checkpoint at config.model.model. `model`, if given, is used instead of the
@@ -110,10 +88,11 @@ class LLMEngine:
         self.model_name = mc.served_model_name or Path(mc.model).resolve().name
         if model is None:
             info = inspect_checkpoint(mc.model)  # validates every file before memory is touched
-            sink = self._plan_placement(info)  # where the routed experts go
+            sink = startup.plan_placement(config, self.device, info)  # where the routed experts go
             model = load_checkpoint(mc.model, mc.dtype, self.device, sink=sink, info=info)[0]
         self.model = model
-        self.runner_config = _fit_to_model(config.runner, config.runner.resolve(self.device.type, mc.dtype), model)
+        self.runner_config = startup.fit_to_model(config.runner, config.runner.resolve(self.device.type, mc.dtype),
+                                                  model)
         self._set_cpu_threads()
         self._install_kernels()
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -127,9 +106,11 @@ class LLMEngine:
         self.sampler = Sampler(self.device, mc.seed)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.spec = self._load_spec() if config.spec.enabled else None
-        groups = self._cache_groups()
+        groups = startup.cache_groups(self.model, config.cache.kv_cache_dtype)
         block_size = config.cache.block_size
-        num_blocks = self._plan_kv_blocks(groups, block_size)
+        budget = startup.kv_cache_budget(config, self.model, self.device, self.max_model_len)
+        num_blocks = startup.plan_kv_blocks(config, groups, budget, self.max_model_len,
+                                            self.spec.kv_bytes_per_block(block_size) if self.spec else 0)
         min_compute = self.spec.min_prefill_compute if self.spec else 1
         self.kv = KVCacheManager(groups, num_blocks, block_size, config.cache.enable_prefix_caching, min_compute,
                                  num_state_slots=config.scheduler.max_num_seqs)
@@ -153,7 +134,7 @@ class LLMEngine:
         """The speculative-decoding stage, its drafter loaded and checked against the target (before
         the KV cache is planned: a draft model's own cache shares the budget)."""
         sc, mc = self.config.spec, self.config.model
-        self._check_spec_fits_the_model()
+        startup.check_spec_fits_the_model(self.model, sc)
         spec = SpecDecoder.create(sc, self.tokenizer, self.max_model_len, self.model, mc.model, self.device,
                                   self.config.scheduler.max_num_batched_tokens, self.sampler.generator_for)
         draft_model = getattr(spec.proposer, "model", None)
@@ -167,20 +148,6 @@ class LLMEngine:
         logger.info("Speculative decoding: %s, num_speculative_tokens %d (%s), adaptive %s%s", sc.method,
                     sc.num_speculative_tokens, detail, sc.adaptive, phase_k)
         return spec
-
-    def _check_spec_fits_the_model(self) -> None:
-        """One line, before a drafter is loaded, for what the target's architecture cannot serve:
-        a drafter reading the target's hidden states from a model that cannot give them, or more
-        draft tokens a step than its compressed caches can roll back (one window of the smallest
-        ratio: KVCacheManager.trim)."""
-        sc = self.config.spec
-        if sc.method == "dspark" and type(self.model).forward_with_aux is CausalLM.forward_with_aux:
-            raise ValueError(f"speculative method 'dspark' reads the target's hidden states, which "
-                             f"{type(self.model).__name__} cannot give yet; use ngram")
-        ratios = [s.ratio for g in group_layers(self.model.kv_cache_specs()) if (s := g.spec).kind == "compressed"]
-        if ratios and sc.num_speculative_tokens > min(ratios):
-            raise ValueError(f"num_speculative_tokens {sc.num_speculative_tokens}: this model's ratio-{min(ratios)} "
-                             f"compressed cache rolls back at most {min(ratios)} tokens a step; use at most that")
 
     def _set_cpu_threads(self) -> None:
         threads = self.runner_config.cpu_threads
@@ -247,107 +214,6 @@ class LLMEngine:
         self.runner.capture(max_num_seqs, families, self.max_model_len)
         if self.spec is not None:
             self.spec.capture(max_num_seqs, self.max_model_len)
-
-    def _plan_placement(self, info: CheckpointInfo) -> OffloadedExperts | None:
-        """Plan where the routed experts go (tandem/offload/placement.py) before memory is touched;
-        refuse, naming the shortfall and the flag, a placement that fits neither GPU nor RAM.
-        Returns the loader's hook for experts in RAM, or None when they all stay on the device."""
-        cfg, mc = self.config, self.config.model
-        plan = plan_memory(
-            mc.model, mc.dtype, self.device.type, max_model_len=mc.max_model_len,
-            max_num_seqs=cfg.scheduler.max_num_seqs, max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-            block_size=cfg.cache.block_size, gpu_memory_utilization=cfg.cache.gpu_memory_utilization,
-            kv_cache_dtype=cfg.cache.kv_cache_dtype,
-            offload=cfg.offload, spec=cfg.spec, info=info,
-        )
-        placement = plan.placement
-        assert placement is not None, "plan_memory always places the experts"
-        if plan.offload_problems:
-            raise MemoryError("; ".join(plan.offload_problems))
-        self._check_weights_fit(gpu_weight_bytes(plan.weights))
-        if placement.num_experts:
-            logger.info("Expert placement: %s", placement.reason)
-        if not placement.offloaded:
-            return None
-        if placement.lossy:
-            logger.warning("--cpu-moe-dtype %s is a LOSSY conversion of the checkpoint's expert weights",
-                           placement.cpu_format)
-        spec = cfg.spec
-        rows = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs * (1 + spec.max_k))
-        return OffloadedExperts(placement, cfg.offload.cpu_moe_threads, staging_rows=rows)
-
-    def _check_weights_fit(self, weights_bytes: int) -> None:
-        if self.device.type != "cuda":
-            return
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = self.config.cache.gpu_memory_utilization * total
-        if weights_bytes > min(budget, free):
-            raise MemoryError(
-                f"the weights need {weights_bytes / GiB:.2f} GiB but --gpu-memory-utilization "
-                f"{self.config.cache.gpu_memory_utilization} of this GPU allows {budget / GiB:.2f} GiB "
-                f"({free / GiB:.2f} GiB free); raise it or use a smaller model"
-            )
-
-    def _cache_groups(self) -> tuple[CacheGroup, ...]:
-        """The model's cache groups, their pages in --kv-cache-dtype."""
-        groups = group_layers(self.model.kv_cache_specs())
-        page_dtype = page_dtype_of(self.config.cache.kv_cache_dtype)
-        if page_dtype is not None and any(g.spec.kind == "full" for g in groups):
-            raise ValueError(f"--kv-cache-dtype {self.config.cache.kv_cache_dtype}: full-attention caches (this "
-                             "model's) are kept in --dtype; fp8 pages exist for DeepSeek-V4's caches so far")
-        if page_dtype is not None:
-            logger.warning("--kv-cache-dtype %s: KV pages stored in float8 e4m3 with a scale per vector, a LOSSY "
-                           "cache (its cost on logits: BENCHMARKS.md)", self.config.cache.kv_cache_dtype)
-        return with_page_dtype(groups, page_dtype)
-
-    def _plan_kv_blocks(self, groups: tuple[CacheGroup, ...], block_size: int) -> int | tuple[int, ...]:
-        """Blocks of the KV budget: one count for full-attention groups; per group, sized for the
-        tokens of context the budget holds, when a model has other kinds (DeepSeek-V4)."""
-        cc, sched = self.config.cache, self.config.scheduler
-        if cc.kv_cache_memory is not None:
-            budget = cc.kv_cache_memory
-        elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory()
-        else:
-            budget = DEFAULT_CPU_KV_MEMORY
-        if all(g.spec.kind == "full" for g in groups):
-            # A draft model's own KV cache holds as many blocks as the target's: they share the budget.
-            bytes_per_block = sum(g.bytes_per_block(block_size) for g in groups)
-            bytes_per_block += self.spec.kv_bytes_per_block(block_size) if self.spec else 0
-            return kv_blocks(budget, bytes_per_block, self.max_model_len, block_size, sched.max_num_seqs)
-        if self.spec is not None and self.spec.kv_bytes_per_block(block_size):
-            raise ValueError(f"speculative method {self.config.spec.method!r} keeps a KV cache of its own, which needs "
-                             "a target with full-attention caches only; use ngram with this model")
-        step, chunk = 1 + self.config.spec.max_k, sched.max_num_batched_tokens
-        tokens = kv_capacity(groups, budget, block_size, self.max_model_len, sched.max_num_seqs, step, chunk)
-        return group_blocks(groups, block_size, tokens, sched.max_num_seqs, step, chunk)
-
-    def _profile_free_gpu_memory(self) -> int:
-        """Run one forward pass at the largest step size to measure activation memory, then give
-        the KV cache what --gpu-memory-utilization leaves."""
-        from tandem.engine.scheduler import ScheduledRequest
-
-        tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        groups = group_layers(self.model.kv_cache_specs())
-        bs = self.config.cache.block_size
-        scratch_blocks = group_blocks(groups, bs, tokens, 1, batch_tokens=tokens)
-        kv = KVCacheManager(groups, scratch_blocks, bs, enable_prefix_caching=False, num_state_slots=1)
-        allocate_kv_caches(self.model, kv, self.device)
-        req = Request("__profile__", [0] * tokens, SamplingParams(max_tokens=1))
-        kv.allocate_slots(req, tokens)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        ModelRunner(self.model, kv, self.device).execute([ScheduledRequest.of(req, tokens)])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)  # weights + scratch cache + activations
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Memory outside torch's allocator (CUDA context, other processes) counts against the budget.
-        outside_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        budget = int(self.config.cache.gpu_memory_utilization * total - peak - outside_torch)
-        logger.info("Memory profile: peak %.2f GiB (weights + activations of a %d-token step), %.2f GiB outside "
-                    "torch; %.2f GiB left for the KV cache", peak / GiB, tokens, outside_torch / GiB, max(budget, 0) / GiB)
-        # The scratch caches stay bound until the real ones replace them (allocate_kv_caches).
-        return max(budget, 0)
 
     def _log_summary(self, num_blocks: int | tuple[int, ...], block_size: int) -> None:
         if isinstance(num_blocks, int):
