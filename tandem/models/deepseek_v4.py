@@ -20,6 +20,7 @@ incremental step on state kept in the paged cache groups of `kv_cache_specs` (de
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -51,6 +52,8 @@ from tandem.models.layers.mlp import check_activation
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import RopeConfig
 from tandem.models.qwen3 import require
+
+logger = logging.getLogger("tandem")
 
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 # Longest query the sync-free decode path takes on a sliding-only model; with compressed layers it
@@ -457,6 +460,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         if [len(c) for c in caches] != want:
             raise ValueError(f"expected caches per layer {want}, got {[len(c) for c in caches]}")
         self._caches = tuple(caches)
+        if self._kernel and caches and caches[0][0].scales is not None:
+            logger.warning("--kv-cache-dtype fp8 with DeepSeek-V4: its Triton attention reads pages in --dtype, so "
+                           "decode attention runs the torch gather (slow); the indexer's scores stay in Triton")
 
     def kv_cache_specs(self) -> list[tuple[KVCacheSpec, ...]]:
         """Per layer, its caches (tandem/kv/spec.py): every layer a sliding window of one shared

@@ -115,19 +115,29 @@ def _closed_entries(cache: LayerCache, name: str, step: StepMetadata, rows: torc
 
 
 def _indexer_topk(attn: DeepseekV4Attention, cache: LayerCache, hidden: torch.Tensor, q_latent: torch.Tensor,
-                  positions: torch.Tensor, rows: torch.Tensor, step: StepMetadata, rotary: InterleavedRotary
-                  ) -> torch.Tensor:
-    """Step 3: the indexer's pick per token, [T, index_topk] entry numbers (-1: none)."""
+                  positions: torch.Tensor, rows: torch.Tensor, step: StepMetadata, rotary: InterleavedRotary,
+                  kernel: bool) -> torch.Tensor:
+    """Step 3: the indexer's pick per token, [T, index_topk] entry numbers (-1: none). `kernel`:
+    the scores in Triton (tandem/kernels/deepseek_v4_indexer.py: the keys streamed, not gathered
+    per token), else `IndexerScorer` on the gathered keys."""
     assert isinstance(attn.compressor, SparseCompressor)
     indexer = attn.compressor.indexer
-    keys, idx = _closed_entries(cache, "indexer", step, rows, hidden.dtype)  # [T, N, Di]
     T = hidden.shape[0]
     cos, sin = rotary(positions, hidden.dtype)
     q = indexer.q_b_proj(q_latent).view(T, 1, indexer.num_heads, indexer.head_dim)
     q = apply_rope_tail(q, cos[:, None, None], sin[:, None, None])
-    scores = indexer.scorer(q, keys, hidden[:, None])[:, 0]  # [T, N]
+    table = step.block_tables[cache.group]
+    idx = torch.arange(table.shape[1] * step.block_size, device=hidden.device)
     closed = idx[None, :] < ((positions + 1) // indexer.ratio)[:, None]
-    scores = scores.masked_fill(~closed, float("-inf"))
+    if kernel:
+        from tandem.kernels.deepseek_v4_indexer import deepseek_v4_indexer_scores
+
+        w = indexer.scorer.weights_proj(hidden).float() * indexer.scorer.w_scale  # [T, Hi]
+        scores = deepseek_v4_indexer_scores(q[:, 0], w, positions, rows, cache.index_pages, table, indexer.ratio,
+                                            cache.index_scales)
+    else:
+        keys, _ = _closed_entries(cache, "indexer", step, rows, hidden.dtype)  # [T, N, Di]
+        scores = indexer.scorer(q, keys, hidden[:, None])[:, 0].masked_fill(~closed, float("-inf"))  # [T, N]
     k = min(indexer.topk, scores.shape[1])
     picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
     return torch.where(closed.gather(1, picked), picked, -1)
@@ -159,7 +169,9 @@ def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, positions: t
                    caches: tuple[LayerCache, ...], step: StepMetadata, rotary: InterleavedRotary,
                    kernel: bool) -> torch.Tensor:
     """One V4 attention block over a decode / verify step's tokens: hidden [T, H] -> [T, H], the
-    caches updated. `kernel`: the Triton attention (CUDA, pages not in fp8), else the gather."""
+    caches updated. `kernel`: the Triton kernels (CUDA): the indexer's scores, and the attention
+    unless the pages are fp8 (it reads --dtype pages; the model logs that at bind time), else the
+    torch gathers."""
     T = hidden.shape[0]
     rows = token_requests(step, T)
     cos, sin = rotary(positions, hidden.dtype)
@@ -173,8 +185,8 @@ def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, positions: t
         _compress(c, cache, "compressor", hidden, positions, step, rotary)
         if isinstance(c, SparseCompressor):
             _compress(c.indexer, cache, "indexer", hidden, positions, step, rotary)
-            topk = _indexer_topk(attn, cache, hidden, q_latent[0], positions, rows, step, rotary)
-    if kernel:
+            topk = _indexer_topk(attn, cache, hidden, q_latent[0], positions, rows, step, rotary, kernel)
+    if kernel and window.scales is None:
         from tandem.kernels.deepseek_v4_attention import deepseek_v4_paged_attention
 
         entry = caches[1] if c is not None else None
