@@ -297,3 +297,15 @@ def test_on_cuda_captured_decode_graphs_give_the_reference_tokens(tmp_path, monk
         assert o.token_ids == reference(hf, p), len(p)
     eager = llm.engine.metrics.model_steps.labels(model_name=llm.engine.model_name, mode="eager")._value.get()
     assert eager == 0
+
+
+def test_an_fp8_native_checkpoint_is_refused_by_name(tmp_path) -> None:
+    from tandem.models.loader import CheckpointError
+
+    save_v4(tmp_path, "hash")
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("attn.wq_a.weight"))
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"tensor {name} is F8_E4M3: FP8 / FP4 weights"):
+        LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB")

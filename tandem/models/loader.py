@@ -381,6 +381,12 @@ def inspect_checkpoint(model_dir: str | Path) -> CheckpointInfo:
     model_type = supported_model_type(config, model_dir / "config.json")
     files, weight_map = _weight_files(model_dir)
     tensors = _model_names(get_model_class(model_type), _read_tensor_index(files, weight_map))
+    quantized = next((n for n, e in tensors.items() if e.dtype.startswith("F8")), None)
+    if quantized is not None:
+        e = tensors[quantized]
+        raise CheckpointError(f"{e.file}: tensor {e.key or quantized} is {e.dtype}: FP8 / FP4 weights (DeepSeek's "
+                              "native checkpoints) cannot be loaded yet; use a bf16 checkpoint, or plan from its "
+                              "config.json alone")
     check_layout(config, tensors, model_dir)  # first: a config for other weights is the likelier cause
     check_config(config, model_dir / "config.json")
     model = build_meta_model(get_model_class(model_type), config, torch.float32, model_dir / "config.json")
