@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from tandem.attention import get_attention_backend  # noqa: E402
 from triton_interp import interpreted_module  # noqa: E402
-from tandem.engine.metadata import StepMetadata  # noqa: E402
+from tandem.core import StepMetadata  # noqa: E402
 
 # Small cases run on the interpreter without CUDA and as compiled kernels with it.
 SMALL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -73,7 +73,7 @@ def expect_error(path: Path, *fragments: str) -> str:
 
 def run_logits(model) -> torch.Tensor:
     """Logits of a fixed 20-token prompt (one request, one step)."""
-    from tandem.engine.metadata import StepMetadata
+    from tandem.core import StepMetadata
 
     spec = model.kv_cache_specs()[0]
     dtype = next(model.parameters()).dtype

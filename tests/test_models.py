@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 from tandem.kv.tensors import LayerCache
 from tandem.models.layers.moe import SparseMoeBlock, make_moe_executor, moe_executor_names
 from tandem.models.loader import load_checkpoint

@@ -175,7 +175,7 @@ def test_drafts_are_prefix_consistent_and_k_zero_is_empty(ref, drafter):
 def test_features_captured_from_tandems_serving_model_give_the_same_drafts(ref, drafter):
     """What the engine will do: hook the serving Qwen3-MoE's decoder layers (each returns
     (mlp_out, residual); the layer's output is their sum), fuse, and draft from that."""
-    from tandem.engine.metadata import StepMetadata
+    from tandem.core import StepMetadata
     from tandem.models.loader import load_checkpoint
 
     target, ref_drafter, chats = ref

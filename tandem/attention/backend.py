@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 
 
 class AttentionBackend(Protocol):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.attention.backend import register_attention_backend
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

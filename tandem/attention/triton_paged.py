@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tandem.attention.backend import register_attention_backend
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 from tandem.kernels.device import sm_count
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: keeps fully masked rows NaN-free

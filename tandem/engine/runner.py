@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.metadata import GroupState, StepMetadata
+from tandem.core import GroupState, StepMetadata
 from tandem.engine.scheduler import ScheduledRequest
 from tandem.kv.groups import entry_slots, token_slots
 from tandem.kv.manager import KVCacheManager

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 from tandem.kv.spec import KVCacheSpec
 from tandem.kv.tensors import LayerCache
 

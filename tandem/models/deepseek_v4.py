@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 from tandem.kv.spec import KVCacheSpec
 from tandem.kv.tensors import LayerCache
 from tandem.models import deepseek_v4_decode as decode

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 from tandem.kv.tensors import LayerCache
 from tandem.models.deepseek_v4_attention import (
     DeepseekV4Attention,

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 from tandem.kv.tensors import LayerCache
 from tandem.models.deepseek_v4_attention import DeepseekV4Attention, SparseCompressor
 from tandem.models.deepseek_v4_state import AttentionState, CompressorState, TokenRows

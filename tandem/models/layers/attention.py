@@ -8,7 +8,7 @@ from torch import nn
 
 from tandem.attention import get_attention_backend
 from tandem.attention.backend import AttentionBackend
-from tandem.engine.metadata import StepMetadata
+from tandem.core import StepMetadata
 from tandem.kernels import fused
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import apply_rotary
