@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tandem import LLM, SamplingParams
-from tandem.kernels.moe_grouped import check_grouped_support, install_moe_executor, pack_expert_weights
-from tandem.models.layers.moe import make_moe_executor
+from tandem.kernels.moe_grouped import check_grouped_support, pack_expert_weights
+from tandem.models.layers.moe import install_moe_executor, make_moe_executor
 from moe_refs import dense_reference, make_clamped_experts, make_experts, rel_err
 from tiny_models import save_tiny_model
 

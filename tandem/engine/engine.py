@@ -174,7 +174,7 @@ class LLMEngine:
         if hasattr(model, "set_attention_backend"):  # a model with attention kernels of its own (DeepSeek-V4)
             model.set_attention_backend(rc.attention_backend)
         if rc.moe_executor != "torch" and hasattr(model, "moe_blocks"):
-            from tandem.kernels.moe_grouped import install_moe_executor
+            from tandem.models.layers.moe import install_moe_executor
 
             install_moe_executor(model, rc.moe_executor)
         if not log:

@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.device import sm_count
-from tandem.models.deepseek_v4_attention import sink_attention
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: masked tiles stay NaN-free
 _LOG2E = tl.constexpr(1.4426950408889634)  # logits run in log2 units: exp2 is the fast path
@@ -371,6 +370,8 @@ def deepseek_v4_paged_attention_ref(
 ) -> torch.Tensor:
     """`deepseek_v4_paged_attention` in torch, token by token (host loop; tests only): gathers the
     visible keys and runs the model's `sink_attention` on them in float32 -> [T, Hh, D] in q's dtype."""
+    from tandem.models.deepseek_v4_attention import sink_attention  # the model's math (kernels import no model)
+
     out = torch.empty_like(q)
     for t in range(q.shape[0]):
         keys = visible_keys(positions, token_request, t, window_pages, window_table, window_size,

@@ -31,8 +31,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models.layers.moe import MoEExecutor, make_moe_executor, register_moe_executor
-
 _ALIGN_BYTES = 16
 
 
@@ -124,7 +122,6 @@ def pack_expert_weights(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Ten
     return w13, w2
 
 
-@register_moe_executor("grouped")
 class GroupedMoEExecutor:
     """Sort-by-expert + two `torch._grouped_mm` calls; sync-free and CUDA-graph capturable.
 
@@ -190,15 +187,4 @@ class GroupedMoEExecutor:
         return out.squeeze(1)
 
 
-def install_moe_executor(model: nn.Module, name: str) -> int:
-    """Give every MoE block of `model` whose experts are on it a fresh `name` executor, layer by
-    layer (call after the weights are loaded). Returns the number of blocks changed; 0 for a
-    model without MoE blocks."""
-    blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else {}
-    blocks = {i: b for i, b in blocks.items() if not b.offloaded}  # offloaded layers keep their executor
-    for block in blocks.values():
-        block.set_executor(make_moe_executor(name, block.experts))
-    return len(blocks)
-
-
-__all__ = ["GroupedMoEExecutor", "MoEExecutor", "check_grouped_support", "install_moe_executor", "pack_expert_weights"]
+__all__ = ["GroupedMoEExecutor", "check_grouped_support", "pack_expert_weights"]

@@ -5,14 +5,16 @@ HF checkpoint layout. Who computes them is an executor behind a small registry:
 
     executor(hidden [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]
 
-"torch" is the reference (a loop over the experts hit). Fused GPU kernels, the CPU executor and
-PCIe streaming register under their own names; the offload planner picks one per layer with
-`SparseMoeBlock.set_executor`, so model files never know which one runs.
+"torch" is the reference (a loop over the experts hit); "grouped" the fused GPU executor
+(tandem/kernels/moe_grouped.py, imported on first use: kernels are leaves and import nothing from
+the models). The CPU executor and the hot experts (tandem/offload/) are set per layer by the
+loader with `set_executor`, so model files never know which one runs.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import importlib
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,33 +30,36 @@ class MoEExecutor(Protocol):
         ...
 
 
-# An executor factory gets the layer's expert modules (it reads their weights when called or
-# repacks them once) and returns the callable.
-ExecutorFactory = Callable[[nn.ModuleList], MoEExecutor]
-_EXECUTORS: dict[str, ExecutorFactory] = {}
-
-
-def register_moe_executor(name: str) -> Callable[[ExecutorFactory], ExecutorFactory]:
-    def wrap(factory: ExecutorFactory) -> ExecutorFactory:
-        _EXECUTORS[name] = factory
-        return factory
-
-    return wrap
+# Name -> the executor class, "module:attr", imported on first use. A class takes the layer's
+# expert modules (it reads their weights when called, or repacks them once) and is the callable.
+_EXECUTORS = {
+    "torch": "tandem.models.layers.moe:TorchMoEExecutor",
+    "grouped": "tandem.kernels.moe_grouped:GroupedMoEExecutor",
+}
 
 
 def make_moe_executor(name: str, experts: nn.ModuleList) -> MoEExecutor:
     if name not in _EXECUTORS:
-        import tandem.kernels.moe_grouped  # noqa: F401  (registers "grouped" on first use)
-    if name not in _EXECUTORS:
-        raise ValueError(f"unknown MoE executor {name!r}; known: {sorted(_EXECUTORS)}")
-    return _EXECUTORS[name](experts)
+        raise ValueError(f"unknown MoE executor {name!r}; known: {', '.join(sorted(_EXECUTORS))}")
+    module, attr = _EXECUTORS[name].split(":")
+    return getattr(importlib.import_module(module), attr)(experts)
 
 
 def moe_executor_names() -> tuple[str, ...]:
     return tuple(sorted(_EXECUTORS))
 
 
-@register_moe_executor("torch")
+def install_moe_executor(model: nn.Module, name: str) -> int:
+    """Give every MoE block of `model` whose experts are on it a fresh `name` executor, layer by
+    layer (call after the weights are loaded). Returns the number of blocks changed; 0 for a
+    model without MoE blocks."""
+    blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else {}
+    blocks = {i: b for i, b in blocks.items() if not b.offloaded}  # offloaded layers keep their executor
+    for block in blocks.values():
+        block.set_executor(make_moe_executor(name, block.experts))
+    return len(blocks)
+
+
 class TorchMoEExecutor:
     """Reference: for each expert hit, run it on its tokens and index_add the weighted result.
 
