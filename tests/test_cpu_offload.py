@@ -105,3 +105,14 @@ def test_the_planner_counts_the_kernels_bytes_per_expert(fmt):
 
     for hidden, inter in ((2048, 768), (4096, 2048), (256, 96)):
         assert cpu_experts.CpuExpertLayer.empty(1, hidden, inter, fmt).bytes_per_expert == expert_bytes(fmt, hidden, inter)
+
+
+def test_adaptive_auto_charges_the_experts_a_verify_reaches(tiny_dir):
+    """With experts in RAM the K controller's cost model gets the CPU-expert hook: predicted step
+    time grows with the draft depth beyond what the measured tables say."""
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": "auto"})
+    cost = llm.engine.spec.auto.cost
+    assert cost.extra is not None and cost.extra([3]) > cost.extra([1]) > cost.extra([0]) == 0.0
+    assert _greedy(llm, PROMPTS[:1], 16) == _greedy(LLM(str(tiny_dir), device="cpu", dtype="float32",
+                                                        kv_cache_memory="16MiB"), PROMPTS[:1], 16)

@@ -179,3 +179,23 @@ def test_stats_decay_lets_an_estimate_follow_a_change_within_a_few_dozen_verifie
 def test_bad_observations_are_refused() -> None:
     with pytest.raises(ValueError, match="accepted 3 of 2"):
         AcceptanceStats(4).observe("x", "content", 2, 3)
+
+
+def test_with_experts_in_ram_a_deeper_draft_pays_for_the_experts_it_reaches() -> None:
+    """The CPU-expert hook (placement.cpu_expert_step_cost): a verify of more tokens reads more
+    distinct experts per offloaded layer; with expensive experts the controller drafts shallower."""
+    from tandem.offload.placement import LayerPlacement, Placement, cpu_expert_step_cost
+
+    layers = tuple(LayerPlacement(i, True, "cpu", 0, 0) for i in range(4))
+    placement = Placement(layers, "bf16", "test", 0, num_experts=64, top_k=4, hidden_size=256, inter_size=128,
+                          run_elem=2)
+    extra = cpu_expert_step_cost(placement, ram_read=1e9)  # 196 KB an expert: 0.2 ms each
+    per_expert = 3 * 256 * 128 * 2 / 1e9
+    assert extra([0]) == 0.0  # one token: the top-k the tables measured
+    assert extra([1]) == pytest.approx(4 * (placement.distinct_experts(2) - 4) * per_expert)
+    assert extra([3]) > extra([2]) > extra([1])
+    verify = {(1, q): 1e-3 for q in range(1, 5)}  # a free verify token on the GPU
+    rates = [[0.8, 0.8, 0.8]]
+    assert choose_ks(rates, (1, 2, 3), StepCost(verify)) == [3]
+    assert choose_ks(rates, (1, 2, 3), StepCost(verify, extra=extra)) == [0]  # 0.2 ms an expert vs 1 ms a step
+    assert choose_ks(rates, (1, 2, 3), StepCost(verify, extra=lambda ks: extra(ks) / 5)) == [2]  # faster RAM

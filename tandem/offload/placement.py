@@ -15,6 +15,7 @@ Policy, in the order the flags are read:
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -317,6 +318,25 @@ def ram_problems(placement: Placement, available: int | None, source: str) -> li
             f"({(need - available) / GiB:.2f} GiB short); " + " or ".join(f for f in fixes if f)]
 
 
+def cpu_expert_step_cost(placement: Placement, ram_read: float) -> Callable[[Sequence[int]], float]:
+    """The speculative controller's cost hook (tandem/spec/goodput.py `StepCost.extra`) for a
+    model with experts in RAM: the seconds a step verifying draft depths ks spends on routed
+    experts beyond the ones its measured tables read. Those tables time steps whose tokens are
+    all alike (every token routes to the same top-k), so a real step of n = sum(1 + k) tokens
+    reads, per offloaded layer, distinct_experts(n) - top_k more experts (uniform routing: an
+    upper bound for a trained router), each `expert_bytes` at `ram_read` bytes/s, less the share
+    the hot experts serve on the GPU."""
+    per_expert = expert_bytes(placement.cpu_format, placement.hidden_size, placement.inter_size)
+    layers, miss = len(placement.cpu_layers), 1.0 - placement.hot_hit_rate
+    base = placement.distinct_experts(1)  # = top_k
+
+    def extra(ks: Sequence[int]) -> float:
+        more = placement.distinct_experts(sum(1 + k for k in ks)) - base
+        return layers * max(more, 0.0) * per_expert * miss / ram_read
+
+    return extra
+
+
 def predict_decode_seconds(placement: Placement, batch: int, ram_read: float, gpu_read: float,
                            roundtrip: float) -> float:
     """Seconds per decode step of `batch` tokens at the bandwidths given (bytes/s): GPU weights at
@@ -338,5 +358,6 @@ def _ranges(indices: list[int]) -> str:
     return ",".join(out)
 
 
-__all__ = ["LayerPlacement", "Placement", "expert_bytes", "plan_placement", "predict_decode_seconds",
+__all__ = ["LayerPlacement", "Placement", "cpu_expert_step_cost", "expert_bytes", "plan_placement",
+           "predict_decode_seconds",
            "ram_problems", "resolve_cpu_format"]

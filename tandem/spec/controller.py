@@ -202,7 +202,7 @@ class SpecDecoder:
         verify = runner.measure([(b, 1 + k) for b in timed for k in (0, *depths)])
         measure_draft = getattr(self.proposer, "measure", None)
         draft = measure_draft(timed, depths) if measure_draft is not None else {}
-        cost = StepCost(verify, draft, padded=padded, buckets=buckets)
+        cost = StepCost(verify, draft, padded=padded, buckets=buckets, extra=_cpu_expert_cost(runner.model))
         how = "graph replays" if padded else f"eager forwards up to batch {timed[-1]}, larger extrapolated"
         logger.info("adaptive auto: step costs measured in %.1f s (%s; ms, refined online from real steps):\n%s",
                     time.perf_counter() - start, how, cost.table())
@@ -339,3 +339,19 @@ class SpecDecoder:
             tracked.tracker.update(out[tracked.seen :])
             tracked.seen = len(out)
         return tracked
+
+
+def _cpu_expert_cost(model: object) -> Callable[[Sequence[int]], float] | None:
+    """With routed experts in RAM: the extra seconds of the experts a step's real tokens route to
+    (tandem/offload/placement.py `cpu_expert_step_cost`), at this machine's measured RAM read
+    bandwidth. None when every expert is on the device."""
+    sink = getattr(model, "cpu_experts", None)
+    if sink is None or not sink.placement.offloaded:
+        return None
+    from tandem.offload import cpu_experts
+    from tandem.offload.placement import cpu_expert_step_cost
+
+    bandwidth = cpu_experts.measure_read_bandwidth(256 << 20)
+    logger.info("adaptive auto: experts in RAM on %d layers; a step's extra distinct experts cost %.1f GB/s reads",
+                len(sink.placement.cpu_layers), bandwidth / 1e9)
+    return cpu_expert_step_cost(sink.placement, bandwidth)
