@@ -13,13 +13,16 @@ V4-Flash's shape, also replayed from a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
 import torch
-from triton_interp import interpret_without_cuda, interpreted_module, kernel_test_setup  # noqa: F401 (autouse)
+from triton_interp import (
+    bf16_interpreted_dot,
+    interpret_without_cuda,
+    interpreted_module,
+    kernel_test_setup,  # noqa: F401 (autouse)
+)
 
 interpret_without_cuda()  # before anything imports Triton
 
@@ -27,29 +30,6 @@ from tandem.models.deepseek_v4_attention import closed_entries, sink_attention, 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 NAN = float("nan")
-
-
-@contextmanager
-def bf16_interpreted_dot() -> Iterator[None]:
-    """Triton 3.6's interpreter multiplies bf16 `tl.dot` operands as their uint16 storage; while open,
-    widen them to float32 first (exact, as the GPU's bf16 MMA with fp32 accumulation)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder
-
-    create_dot = InterpreterBuilder.create_dot
-
-    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001
-        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
-        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    InterpreterBuilder.create_dot = create_dot_bf16
-    try:
-        yield
-    finally:
-        InterpreterBuilder.create_dot = create_dot
 
 
 @pytest.fixture(scope="module")

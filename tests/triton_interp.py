@@ -115,3 +115,26 @@ def interpreted_module(name: str, kernel: str, *, language: bool = False) -> Ite
         mod = importlib.reload(mod)
     with numpy24_scalar_index():
         yield mod
+
+
+@contextmanager
+def bf16_interpreted_dot() -> Iterator[None]:
+    """Triton 3.6's interpreter multiplies bf16 `tl.dot` operands as their uint16 storage; while open,
+    widen them to float32 first (exact, as the GPU's bf16 MMA with fp32 accumulation)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    create_dot = InterpreterBuilder.create_dot
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    InterpreterBuilder.create_dot = create_dot_bf16
+    try:
+        yield
+    finally:
+        InterpreterBuilder.create_dot = create_dot
