@@ -309,3 +309,35 @@ def test_an_fp8_native_checkpoint_is_refused_by_name(tmp_path) -> None:
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"tensor {name} is F8_E4M3: FP8 / FP4 weights"):
         LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_decode_and_verify_steps_read_nothing_back_to_the_host(tmp_path, kv_cache_dtype) -> None:
+    """What a CUDA graph needs of the decode path, checked without a GPU: its forward runs under
+    FakeTensorMode, which refuses any host read of a value (.item(), .tolist(), torch.equal, a
+    tensor's truth); the prefill path, which does read some, is refused there. The MoE executor
+    is swapped for a stand-in (the torch one syncs by design; the grouped one is checked on CUDA)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    from tandem.core import Request
+    from tandem.engine.scheduler import ScheduledRequest
+
+    save_v4(tmp_path, "all_kinds")
+    eng = LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", kv_cache_dtype=kv_cache_dtype).engine
+    for block in eng.model.moe_blocks().values():
+        block.set_executor(lambda hidden, ids, w: hidden * w.sum(-1, keepdim=True))
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=4)) for i, p in enumerate(prompts((30, 41), seed=12))]
+    for r in reqs:  # prompts in the cache, last token left to decode
+        assert eng.kv.allocate_slots(r, r.num_tokens - 1)
+        eng.runner.execute([ScheduledRequest.of(r, r.num_tokens - 1)])
+        r.num_computed_tokens = r.num_tokens - 1
+        assert eng.kv.allocate_slots(r, 3)
+    for batch in ([ScheduledRequest.of(r, 1) for r in reqs], [ScheduledRequest.of(r, 1, (5, 6)) for r in reqs]):
+        ids, pos, step = eng.runner.build_step(batch)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            assert eng.model(ids, pos, step).shape == (len(ids), BASE["hidden_size"])
+    prefill = Request("p", prompts((20,), seed=13)[0], SamplingParams(max_tokens=1))
+    assert eng.kv.allocate_slots(prefill, 19)
+    ids, pos, step = eng.runner.build_step([ScheduledRequest.of(prefill, 19)])
+    with pytest.raises(DataDependentOutputException), FakeTensorMode(allow_non_fake_inputs=True):
+        eng.model(ids, pos, step)
