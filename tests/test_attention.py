@@ -6,6 +6,7 @@ shapes only). Triton 3.6 decides interpreter-or-compiler when a kernel is *decor
 """
 
 import os
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tandem.attention import get_attention_backend  # noqa: E402
+from tandem.attention.torch_ref import FP8_MAX, quantize_fp8  # noqa: E402
 from triton_interp import interpreted_module  # noqa: E402
 from tandem.core import StepMetadata  # noqa: E402
 
@@ -203,3 +205,187 @@ def test_cuda_graph_replay_matches_eager(triton_paged, splits):
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
         _, ref = run_both(get_attention_backend("torch"), q2, k2, v2, cache2.clone(), step2)
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+# --- fp8 pages (--kv-cache-dtype fp8): one float32 scale per token and KV head ----------------------
+
+
+@contextmanager
+def exact_interpreted_fp8_cast():
+    """Triton 3.6's interpreter rounds fp32 -> float8e4nv without carrying a rounded-up mantissa into
+    the exponent (127.7 becomes 64, not 128); while open, cast through torch's round-to-nearest-even,
+    as the GPU's cvt.rn does. Upcasts from fp8 are exact in the interpreter and left alone."""
+    if torch.cuda.is_available():
+        yield
+        return
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    create_fp_to_fp = InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp_exact(self, src, dst_type, rounding_mode):  # noqa: ANN001
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+            return create_fp_to_fp(self, src, dst_type, rounding_mode)
+        data = torch.from_numpy(src.data).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return TensorHandle(data, dst_type.scalar)
+
+    InterpreterBuilder.create_fp_to_fp = create_fp_to_fp_exact
+    try:
+        yield
+    finally:
+        InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def run_fp8(backend, q, k, v, cache, step, scale=None):
+    """`backend` and the torch reference on the fp8 form of `cache`, and the torch reference on
+    `cache` itself -> (out, ref, exact, (pages, scales) as `backend` left them)."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    torch_ref = get_attention_backend("torch")
+    exact = torch_ref.forward(q, k, v, cache.clone(), step, 0, scale)
+    pages, scales = quantize_fp8(cache)  # the cache's earlier tokens as fp8 pages and their scales
+    ref_pages, ref_scales = pages.clone(), scales.clone()
+    ref = torch_ref.forward(q, k, v, ref_pages, step, 0, scale, kv_scales=ref_scales)
+    with exact_interpreted_fp8_cast():
+        out = backend.forward(q, k, v, pages, step, 0, scale, kv_scales=scales)
+    # Both wrote the same bytes and scales into the same slots.
+    assert torch.equal(pages.view(torch.uint8), ref_pages.view(torch.uint8))
+    torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0)
+    return out, ref, exact, (pages, scales)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def check_written(pages, scales, k, v, slots):
+    """The step's K/V sit at `slots` as fp8 with scale amax / 448 per (token, head) vector."""
+    assert pages.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    hkv, d = pages.shape[-2:]
+    for i, x in enumerate((k, v)):
+        stored = pages[i].view(torch.uint8).reshape(-1, hkv, d)[slots].view(pages.dtype)  # [T, Hkv, D]
+        scale = scales[i].reshape(-1, hkv)[slots]  # [T, Hkv]
+        x = x.float()
+        amax = x.abs().amax(dim=-1)
+        torch.testing.assert_close(scale, amax.clamp(min=1e-12) / FP8_MAX, rtol=0, atol=0)
+        # The largest element of each (nonzero) vector lands on fp8's max, and all round to within
+        # half an ulp (3 mantissa bits: 2^-4 relative; the fixed floor covers the subnormals).
+        assert torch.equal(stored.float().abs().amax(dim=-1), torch.where(amax > 0, FP8_MAX, 0.0))
+        err = (stored.float() * scale[..., None] - x).abs()
+        assert (err <= x.abs() * 2**-4 + scale[..., None] * 2**-10).all()
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1)], ids=["gqa4:2", "gqa8:1"])
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_fp8_pages_match_torch_cpu(triton_paged, case, heads):
+    hq, hkv = heads
+    q_lens, seq_lens = CPU_CASES[case]
+    q, k, v, cache, step = make_case(q_lens, seq_lens, hq=hq, hkv=hkv, d=64, device=SMALL_DEVICE)
+    out, ref, exact, (pages, scales) = run_fp8(triton_paged.TritonPagedAttention(), q, k, v, cache, step)
+    # (a) the kernel dequantizes to the same values the reference does (fp32 on both sides)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # (b) both are near the unquantized attention, and not equal to it: quantization happened
+    for got in (out, ref):
+        assert 1e-3 < rel_err(got, exact) < 0.1
+    # (c) the step's K/V were written as fp8 with their scales
+    check_written(pages, scales, k, v, step.slot_mappings[0])
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_fp8_split_kv_matches_torch_cpu(triton_paged, splits):
+    q, k, v, cache, step = make_case([1, 1, 2], [5, 70, 41], hq=4, hkv=2, d=64, device=SMALL_DEVICE)
+    out, ref, exact, _ = run_fp8(triton_paged.TritonPagedAttention(num_kv_splits=splits), q, k, v, cache, step)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert 1e-3 < rel_err(out, exact) < 0.1
+
+
+def test_fp8_pages_fp16_queries_cpu(triton_paged):
+    # Small V values: their scales (~1e-4) never enter an fp16 dot, the dequantized tile does.
+    q, k, v, cache, step = make_case([1, 3], [70, 90], hq=4, hkv=2, d=64, dtype=torch.float16, device=SMALL_DEVICE)
+    cache[1] *= 0.05
+    v = v * 0.05
+    out, ref, exact, _ = run_fp8(triton_paged.TritonPagedAttention(), q, k, v, cache, step)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-4)
+    assert 1e-3 < rel_err(out, exact) < 0.1
+
+
+def test_fp8_zero_vectors_and_extreme_scales_cpu(triton_paged):
+    # An all-zero vector takes the 1e-12 floor (and stays zero); huge and tiny ones keep their scale.
+    q, k, v, cache, step = make_case([2, 1], [20, 9], hq=4, hkv=2, d=64, device=SMALL_DEVICE)
+    k[0] = 0.0
+    v[1, 0] *= 1e4
+    k[2, 1] *= 1e-6
+    out, ref, _, (pages, scales) = run_fp8(triton_paged.TritonPagedAttention(), q, k, v, cache, step)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    check_written(pages, scales, k, v, step.slot_mappings[0])
+    assert (scales[0].reshape(-1, 2)[step.slot_mappings[0][0]] == 1e-12 / FP8_MAX).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_pages_need_their_scales(triton_paged, backend):
+    impl = triton_paged.TritonPagedAttention() if backend == "triton" else get_attention_backend("torch")
+    q, k, v, cache, step = make_case([1], [3], hq=2, hkv=1, d=64, device=SMALL_DEVICE)
+    pages, scales = quantize_fp8(cache)
+    with pytest.raises(ValueError, match="need their scales"):
+        impl.forward(q, k, v, pages, step, 0, 0.1)
+    with pytest.raises(ValueError, match="float8_e4m3fn pages"):
+        impl.forward(q, k, v, cache, step, 0, 0.1, kv_scales=scales)
+    with pytest.raises(ValueError, match="one per stored vector"):
+        impl.forward(q, k, v, pages, step, 0, 0.1, kv_scales=scales[:, 1:].contiguous())
+
+
+@pytest.mark.parametrize("case", list(GPU_CASES))
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_pages_match_torch_cuda(triton_paged, case):
+    q_lens, seq_lens = GPU_CASES[case]
+    q, k, v, cache, step = make_case(q_lens, seq_lens, hq=32, hkv=4, d=128, dtype=torch.bfloat16, device="cuda",
+                                     seed=1)
+    out, ref, exact, (pages, scales) = run_fp8(triton_paged.TritonPagedAttention(), q, k, v, cache, step)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert rel_err(out, exact) < 0.1
+    check_written(pages, scales, k, v, step.slot_mappings[0])
+
+
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_cuda_graph_replay_matches_eager(triton_paged, splits):
+    """fp8 pages and scales under a captured graph: refilled in place, replay equals eager."""
+    B, q_len, hq, hkv, d = 8, 3, 32, 4, 128
+    backend = triton_paged.TritonPagedAttention(num_kv_splits=splits)
+    q, k, v, cache, step = make_case([q_len] * B, [q_len + 7 * i for i in range(B)], hq=hq, hkv=hkv, d=d,
+                                     dtype=torch.bfloat16, device="cuda", seed=2, extra_blocks=1000)
+    pages, scales = quantize_fp8(cache)
+    table = torch.zeros(B, 256, dtype=torch.int32, device="cuda")
+    table[:, : step.block_tables[0].shape[1]] = step.block_tables[0]
+    static = StepMetadata(**{**step.__dict__, "block_tables": (table,), "seq_lens": step.seq_lens.clone(),
+                             "slot_mappings": (step.slot_mappings[0].clone(),)})
+    scale = d**-0.5
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # JIT outside the graph
+            backend.forward(q, k, v, pages, static, 0, scale, kv_scales=scales)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, pages, static, 0, scale, kv_scales=scales)
+
+    lens = [3000, 4, 2000, 1500, 3, 700, 2999, 64]
+    q2, k2, v2, cache2, step2 = make_case([q_len] * B, lens, hq=hq, hkv=hkv, d=d, dtype=torch.bfloat16,
+                                          device="cuda", seed=3, extra_blocks=3)
+    pages2, scales2 = quantize_fp8(cache2)
+    pages.view(torch.uint8).zero_()
+    scales.zero_()
+    pages[:, : pages2.shape[1]].copy_(pages2)
+    scales[:, : scales2.shape[1]].copy_(scales2)
+    for dst, src in ((q, q2), (k, k2), (v, v2), (static.seq_lens, step2.seq_lens),
+                     (static.slot_mappings[0], step2.slot_mappings[0])):
+        dst.copy_(src)
+    table.zero_()
+    table[:, : step2.block_tables[0].shape[1]] = step2.block_tables[0]
+    graph.replay()
+    eager = backend.forward(q2, k2, v2, pages2, step2, 0, scale, kv_scales=scales2)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert torch.equal(pages[:, : pages2.shape[1]].view(torch.uint8), pages2.view(torch.uint8))

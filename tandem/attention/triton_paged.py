@@ -8,24 +8,35 @@ online softmax up to the causal limit of its tile. When the grid is too small to
 (decode at small batch), the cache is split across programs (flash-decoding) and a second kernel
 merges the partial results.
 
+fp8 pages (float8_e4m3fn, one float32 scale per token and KV head) are dequantized in registers.
+fp8 values are exact in bf16 / fp16 / fp32, so a K tile goes into the dot as it is and each key's
+scale then multiplies its column of the fp32 logits: k * s is never rounded to the dot's dtype, and
+it costs BLOCK_M x BLOCK_N products instead of BLOCK_N x D (decode has BLOCK_M = 16). A V tile is
+dequantized row by row (v * s in fp32, then the dot's dtype, as the torch reference rounds it):
+folding V's scales into the probabilities instead would put p * s (p ~1e-6, s ~1e-3) into the
+dot's dtype, far below fp16's normal range.
+
 CUDA-graph capturable: the grid depends only on host ints (batch size, max query length, head
 counts) that are fixed for a captured shape; lengths and block tables are read on the device.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem.attention.backend import register_attention_backend
+from tandem.attention.backend import check_kv_scales, register_attention_backend
+from tandem.attention.torch_ref import FP8_MAX
 from tandem.core import StepMetadata
 from tandem.kernels.device import sm_count
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: keeps fully masked rows NaN-free
 _LOG2E = 1.4426950408889634
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -46,7 +57,38 @@ def _write_kv_kernel(
     tl.store(dst + stride_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+@triton.jit
+def _store_fp8(x, dst, scale_dst, head_ok):
+    """Quantize the [HKV_P, D] rows x (one vector per KV head) as torch_ref.quantize_fp8 does, with
+    round-to-nearest divisions (Triton's `/` is approximate) so the bytes equal torch's."""
+    x = x.to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), _FP8_MAX)  # [HKV_P]
+    tl.store(dst, tl.math.div_rn(x, scale[:, None]).to(dst.dtype.element_ty), mask=head_ok[:, None])
+    tl.store(scale_dst, scale, mask=head_ok)
+
+
+@triton.jit
+def _write_kv_fp8_kernel(
+    k_ptr, v_ptr, kv_ptr, scales_ptr, slot_ptr,  # k, v [T, Hkv, D]; cache [2, N, PAGE, Hkv, D] fp8; slots [T] int64
+    stride_kt, stride_vt, stride_kv, stride_slot, stride_skv, stride_sslot,  # scales [2, N, PAGE, Hkv] fp32
+    HKV: tl.constexpr, HKV_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """_write_kv_kernel for fp8 pages: token t's K and V rows quantized per KV head, scales beside."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    offs_h = tl.arange(0, HKV_P)
+    offs = offs_h[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]  # [HKV_P, D] within a row
+    head_ok = offs_h < HKV
+    dst = kv_ptr + slot * stride_slot + offs
+    scale_dst = scales_ptr + slot * stride_sslot + offs_h
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + offs, mask=head_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + offs, mask=head_ok[:, None], other=0.0)
+    _store_fp8(k, dst, scale_dst, head_ok)
+    _store_fp8(v, dst + stride_kv, scale_dst + stride_skv, head_ok)
+
+
+def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+              kv_scales: torch.Tensor | None = None) -> None:
     """Same as torch_ref.write_kv in one kernel launch instead of two index copies."""
     T, num_kv_heads, head_dim = k.shape
     if T == 0:
@@ -58,6 +100,15 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
     if (kv_cache.stride(3) != head_dim or kv_cache.stride(2) != num_kv_heads * head_dim
             or kv_cache.stride(1) != kv_cache.shape[2] * kv_cache.stride(2)):
         raise ValueError("triton attention needs each cache slot's [Hkv, D] contiguous")
+    if kv_scales is not None:
+        if kv_scales.stride(3) != 1 or kv_scales.stride(1) != kv_cache.shape[2] * kv_scales.stride(2):
+            raise ValueError("triton attention needs each cache slot's [Hkv] scales contiguous")
+        _write_kv_fp8_kernel[(T,)](
+            k, v, kv_cache, kv_scales, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0), kv_cache.stride(2),
+            kv_scales.stride(0), kv_scales.stride(2),
+            HKV=num_kv_heads, HKV_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, num_warps=4,
+        )
+        return
     row = num_kv_heads * head_dim
     _write_kv_kernel[(T,)](
         k, v, kv_cache, slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0), kv_cache.stride(2),
@@ -69,13 +120,15 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_map
 def _attend_block(
     acc, m_i, l_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; queries [BLOCK_M, D]
     k_head, v_head, bt_row,  # K / V cache base pointers at this KV head; this request's block table row
+    ks_head, vs_head,  # fp8: K / V scale base pointers at this KV head (unused otherwise)
     start_n, pos_m, kv_end, qk_scale,
-    stride_blk, stride_slot,
+    stride_blk, stride_slot, stride_sblk, stride_sslot,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """One BLOCK_N-position step of the online softmax. MASKED=False only for blocks every row of
-    the tile may see in full (below the tile's first query position), which skips all masking."""
+    the tile may see in full (below the tile's first query position), which skips all masking.
+    FP8: the K/V tiles are fp8 with one scale per position (see the module docstring)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # cache positions [BLOCK_N]
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
@@ -88,7 +141,17 @@ def _attend_block(
         k = tl.load(k_head + rows[:, None] + offs_d[None, :], mask=valid_n[:, None], other=0.0)  # [BLOCK_N, D]
     else:
         k = tl.load(k_head + rows[:, None] + offs_d[None, :])
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if FP8:
+        s_rows = blk * stride_sblk + (offs_n % PAGE) * stride_sslot  # scale offset of each position [BLOCK_N]
+        if MASKED:
+            k_scale = tl.load(ks_head + s_rows, mask=valid_n, other=0.0)
+            v_scale = tl.load(vs_head + s_rows, mask=valid_n, other=0.0)
+        else:
+            k_scale = tl.load(ks_head + s_rows)
+            v_scale = tl.load(vs_head + s_rows)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * (k_scale * qk_scale)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         see = (offs_n[None, :] <= pos_m[:, None]) & valid_n[None, :]
         s = tl.where(see, s, float("-inf"))
@@ -100,6 +163,8 @@ def _attend_block(
         v = tl.load(v_head + rows[:, None] + offs_d[None, :], mask=valid_n[:, None], other=0.0)  # [BLOCK_N, D]
     else:
         v = tl.load(v_head + rows[:, None] + offs_d[None, :])
+    if FP8:
+        v = v.to(tl.float32) * v_scale[:, None]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -107,14 +172,16 @@ def _attend_block(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr,  # q [T, Hq, D]; cache [2, N, PAGE, Hkv, D]; out [T, Hq, D]
+    kvs_ptr,  # FP8: scales [2, N, PAGE, Hkv] fp32 (unused otherwise)
     part_acc_ptr, part_ml_ptr,  # split-KV partials: [S, T, Hq, D] and [S, 2, T, Hq] fp32 (unused if S == 1)
     qsl_ptr, seq_lens_ptr, bt_ptr,  # [B+1] int32, [B] int32, [B, max_blocks] int32
     num_tokens, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv, stride_blk, stride_slot, stride_kvh, stride_bt,
+    stride_skv, stride_sblk, stride_sslot, stride_skvh,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0) // NUM_SPLITS
@@ -161,13 +228,17 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_head = kv_ptr + kvh * stride_kvh
     v_head = kv_ptr + stride_kv + kvh * stride_kvh
+    ks_head = kvs_ptr + kvh * stride_skvh
+    vs_head = kvs_ptr + stride_skv + kvh * stride_skvh
     bt_row = bt_ptr + req.to(tl.int64) * stride_bt
     for start_n in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_head, v_head, bt_row, start_n, pos_m, kv_end,
-                                      qk_scale, stride_blk, stride_slot, PAGE, BLOCK_N, HEAD_DIM, False, PRECISION)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_head, v_head, bt_row, ks_head, vs_head, start_n, pos_m,
+                                      kv_end, qk_scale, stride_blk, stride_slot, stride_sblk, stride_sslot,
+                                      PAGE, BLOCK_N, HEAD_DIM, False, PRECISION, FP8)
     for start_n in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_head, v_head, bt_row, start_n, pos_m, kv_end,
-                                      qk_scale, stride_blk, stride_slot, PAGE, BLOCK_N, HEAD_DIM, True, PRECISION)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_head, v_head, bt_row, ks_head, vs_head, start_n, pos_m,
+                                      kv_end, qk_scale, stride_blk, stride_slot, stride_sblk, stride_sslot,
+                                      PAGE, BLOCK_N, HEAD_DIM, True, PRECISION, FP8)
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # no visible key (seq_len 0): output zeros
@@ -260,10 +331,24 @@ def _num_sms(device: torch.device) -> int:
     return sm_count(device) or 1  # the interpreter (CPU) counts as one SM
 
 
+@functools.cache
+def _has_fp8(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)  # Triton's float8e4nv needs Ada / Hopper
+
+
+def _check_fp8_device(device: torch.device) -> None:
+    if device.type != "cuda":  # the interpreter
+        return
+    if not _has_fp8(device.index if device.index is not None else torch.cuda.current_device()):
+        raise ValueError("triton attention reads fp8 KV pages on compute capability 8.9+ only; "
+                         "pass --attention-backend torch or drop --kv-cache-dtype fp8")
+
+
 @register_attention_backend("triton")
 class TritonPagedAttention:
     """Paged attention over the full cache group. Head dims 64/128 (any power of two 16..256),
-    q dtypes bf16/fp16/fp32 (fp32 accumulation; fp32 dots use IEEE precision, not TF32).
+    q dtypes bf16/fp16/fp32 (fp32 accumulation; fp32 dots use IEEE precision, not TF32), pages
+    unscaled in a float dtype or float8_e4m3fn with `kv_scales` (compute capability 8.9+).
 
     `num_kv_splits` forces the split-KV count (a power of two; tests use it); None chooses it from
     the grid size and the GPU's SM count."""
@@ -282,6 +367,7 @@ class TritonPagedAttention:
         step: StepMetadata,
         group: int,
         scale: float,
+        kv_scales: torch.Tensor | None = None,  # fp8 pages: [2, num_blocks, block_size, Hkv] float32
     ) -> torch.Tensor:  # [T, Hq, D]
         T, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
@@ -296,8 +382,12 @@ class TritonPagedAttention:
             raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} does not fit [2, N, bs, {num_kv_heads}, {head_dim}]")
         if page != step.block_size:
             raise ValueError(f"KV cache block size {page} differs from the step's {step.block_size}")
+        check_kv_scales(kv_cache, kv_scales)
+        fp8 = kv_scales is not None
+        if fp8:
+            _check_fp8_device(q.device)
 
-        _write_kv(k, v, kv_cache, step.slot_mappings[group])
+        _write_kv(k, v, kv_cache, step.slot_mappings[group], kv_scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
@@ -318,15 +408,18 @@ class TritonPagedAttention:
         else:
             part_acc = part_ml = out  # unused
         block_tables = step.block_tables[group]  # [B, max_blocks] int32, device
+        scales = kv_scales if fp8 else kv_cache  # unused without fp8
+        s_strides = kv_scales.stride() if fp8 else (0, 0, 0, 0)
         grid = (num_tiles * S, B, num_kv_heads)
         _paged_attention_kernel[grid](
-            q, kv_cache, out, part_acc, part_ml,
+            q, kv_cache, out, scales, part_acc, part_ml,
             step.query_start_loc, step.seq_lens, block_tables,
             T, scale * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+            *s_strides,
             GROUP=group_size, GROUP_P=group_p, BLOCK_Q=cfg.block_q, NUM_SPLITS=S, PAGE=page,
-            BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PRECISION="ieee" if fp32 else "tf32",
+            BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PRECISION="ieee" if fp32 else "tf32", FP8=fp8,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if S > 1:

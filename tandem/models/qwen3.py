@@ -166,4 +166,4 @@ class Qwen3ForCausalLM(CausalLM):
         if len(caches) != len(layers) or any(len(c) != 1 for c in caches):
             raise ValueError(f"expected one full-attention cache for each of {len(layers)} layers, got {len(caches)}")
         for attn, (cache,) in zip(layers, caches):
-            attn.bind_kv_cache(cache.pages, cache.group)
+            attn.bind_kv_cache(cache.pages, cache.group, cache.scales)

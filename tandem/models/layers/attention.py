@@ -18,7 +18,8 @@ class Attention(nn.Module):
     """Parameter names (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm) match HF checkpoints.
 
     The KV cache is not a parameter or buffer: the runner binds it after allocation through
-    `bind_kv_cache`, so it never appears in `state_dict()` and survives `to_empty`.
+    `bind_kv_cache`, so it never appears in `state_dict()` and survives `to_empty`. fp8 pages are
+    bound with their scales (`LayerCache.scales`), which the backend reads and writes beside them.
     """
 
     def __init__(
@@ -46,10 +47,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.backend: AttentionBackend = get_attention_backend(backend)
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
+        self.kv_scales: torch.Tensor | None = None  # fp8 pages: [2, num_blocks, block_size, Hkv] float32
         self.cache_group = 0
 
-    def bind_kv_cache(self, cache: torch.Tensor, group: int) -> None:
+    def bind_kv_cache(self, cache: torch.Tensor, group: int, scales: torch.Tensor | None = None) -> None:
         self.kv_cache = cache
+        self.kv_scales = scales
         self.cache_group = group
 
     def set_backend(self, backend: AttentionBackend) -> None:
@@ -77,5 +80,6 @@ class Attention(nn.Module):
         k = self.k_proj(hidden).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(hidden).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self._norm_rope(q, k, cos, sin)
-        out = self.backend.forward(q, k, v, self.kv_cache, step, self.cache_group, self.scale)  # [T, Hq, D]
+        out = self.backend.forward(q, k, v, self.kv_cache, step, self.cache_group, self.scale,
+                                   kv_scales=self.kv_scales)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
