@@ -11,6 +11,12 @@ divergence of the fp8 run's next-token distribution from the reference run's, th
 whose argmax agrees, and the largest |logit difference| relative to the logits' spread.
 
     python benchmarks/bench_kv_fp8.py --dtype bfloat16 --prompts 16 --prompt-len 300 --continuation 32
+
+`--model demo` measures the trained demo model instead (Qwen3-MoE, full-attention caches): its
+held-out chats (`--prompts` per task family, thinking on), each prompt in the cache and its
+reference answer teacher-forced, which is a real model's distribution rather than a random one's.
+
+    python benchmarks/bench_kv_fp8.py --model demo --dtype bfloat16 --prompts 2
 """
 
 from __future__ import annotations
@@ -53,17 +59,34 @@ def save_model(out: Path, seed: int) -> None:
     (out / "tokenizer.json").write_bytes((ROOT / "tandem/assets/builtin_tokenizer.json").read_bytes())
 
 
-def teacher_forced_logits(model_dir: Path, dtype: str, kv_cache_dtype: str, seqs: list[list[int]], prompt_len: int
-                          ) -> list[torch.Tensor]:
-    """Per sequence: logits [continuation + 1, V] of its rows after the prompt, the prompt in the cache."""
+def demo_chats(per_family: int, continuation: int) -> tuple[list[list[int]], list[int]]:
+    """The demo's held-out chats: token ids of the prompt and the first `continuation` tokens of
+    the reference answer, and each prompt's length."""
+    from tandem.demo import text
+    from tandem.demo.corpus import EVAL_SEED, FAMILIES, make_example
+
+    tok = text.load_tokenizer(ROOT / "tandem" / "assets" / "demo" / "tokenizer.json")
+    seqs, lens = [], []
+    for fam in FAMILIES:
+        for i in range(per_family):
+            ids, mask = text.encode_example(tok, make_example(EVAL_SEED, i, fam))
+            start = mask.index(1)  # the first assistant token
+            seqs.append(ids[: start + continuation])
+            lens.append(start)
+    return seqs, lens
+
+
+def teacher_forced_logits(model_dir: Path, dtype: str, kv_cache_dtype: str, seqs: list[list[int]],
+                          prompt_lens: list[int]) -> list[torch.Tensor]:
+    """Per sequence: logits [continuation + 1, V] of its rows after its prompt, the prompt in the cache."""
     from tandem import LLM
     from tandem.core import Request, SamplingParams
     from tandem.engine.scheduler import ScheduledRequest
 
     eng = LLM(str(model_dir), device="cpu", dtype=dtype, kv_cache_memory="64MiB", max_num_batched_tokens=4096,
-              kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False).engine
+              max_model_len=4096, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False).engine
     out = []
-    for i, seq in enumerate(seqs):
+    for i, (seq, prompt_len) in enumerate(zip(seqs, prompt_lens)):
         req = Request(f"r{i}", seq[:prompt_len], SamplingParams(max_tokens=1))
         draft = tuple(seq[prompt_len:])
         assert eng.kv.allocate_slots(req, prompt_len - 1)
@@ -82,16 +105,21 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--continuation", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", choices=("tiny-v4", "demo"), default="tiny-v4")
     args = ap.parse_args()
-    g = torch.Generator().manual_seed(args.seed)
-    total = args.prompt_len + args.continuation
-    seqs = [torch.randint(0, CONFIG["vocab_size"], (total,), generator=g).tolist() for _ in range(args.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp)
-        save_model(model_dir, args.seed)
-        ref = teacher_forced_logits(model_dir, args.dtype, "auto", seqs, args.prompt_len)
-        fp8 = teacher_forced_logits(model_dir, args.dtype, "fp8", seqs, args.prompt_len)
-        exact = teacher_forced_logits(model_dir, "float32", "auto", seqs, args.prompt_len)
+        if args.model == "demo":
+            model_dir, (seqs, lens) = ROOT / "tandem" / "assets" / "demo", demo_chats(args.prompts, args.continuation)
+        else:
+            g = torch.Generator().manual_seed(args.seed)
+            total = args.prompt_len + args.continuation
+            seqs = [torch.randint(0, CONFIG["vocab_size"], (total,), generator=g).tolist() for _ in range(args.prompts)]
+            lens = [args.prompt_len] * len(seqs)
+            model_dir = Path(tmp)
+            save_model(model_dir, args.seed)
+        ref = teacher_forced_logits(model_dir, args.dtype, "auto", seqs, lens)
+        fp8 = teacher_forced_logits(model_dir, args.dtype, "fp8", seqs, lens)
+        exact = teacher_forced_logits(model_dir, "float32", "auto", seqs, lens)
     report = {"config": {k: v for k, v in vars(args).items()}, "rows": sum(r.shape[0] for r in ref)}
     for name, got, base in (("fp8 cache vs its dtype's cache", fp8, ref),
                             (f"{args.dtype} model+cache vs float32 (scale of the dtype's own rounding)", ref, exact)):

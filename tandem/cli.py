@@ -147,8 +147,8 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
                    help="KV cache size, e.g. 4GiB; overrides --gpu-memory-utilization and works on CPU too "
                         "(default: what --gpu-memory-utilization leaves on CUDA, 4GiB on CPU)")
     s.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="how KV pages are stored: auto (--dtype) or fp8 (e4m3 with a scale per vector; "
-                        "DeepSeek-V4's caches; lossy, BENCHMARKS.md has its cost)")
+                   help="how KV pages are stored: auto (--dtype) or fp8 (e4m3 with a scale per vector: per token "
+                        "and KV head; lossy, BENCHMARKS.md has its cost)")
     s.add_argument("--block-size", type=int, default=CacheConfig.block_size, metavar="N",
                    help=f"tokens per KV cache block: {', '.join(map(str, BLOCK_SIZES))}")
     _bool_flag(s, "--enable-prefix-caching", CacheConfig.enable_prefix_caching,

@@ -166,14 +166,6 @@ def test_fp8_pages_stay_close_to_the_exact_cache(tmp_path) -> None:
     assert 1e-4 < max(gaps) < 0.6, max(gaps)
 
 
-def test_fp8_pages_are_refused_for_full_attention(tmp_path) -> None:
-    from tiny_models import save_tiny_model
-
-    save_tiny_model(tmp_path, "qwen3", seed=0)
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: full-attention caches"):
-        LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", kv_cache_dtype="fp8")
-
-
 def test_native_tensor_names_load_the_same_model(tmp_path) -> None:
     """DeepSeek's native spelling (no `model.` prefix, `embed`, `hc_head_fn`, ...) and the one
     save_pretrained writes name the same parameters."""

@@ -101,9 +101,6 @@ def cache_groups(model: CausalLM, kv_cache_dtype: str) -> tuple[CacheGroup, ...]
     """The model's cache groups, their pages in --kv-cache-dtype."""
     groups = group_layers(model.kv_cache_specs())
     page_dtype = page_dtype_of(kv_cache_dtype)
-    if page_dtype is not None and any(g.spec.kind == "full" for g in groups):
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: full-attention caches (this model's) are kept in "
-                         "--dtype; fp8 pages exist for DeepSeek-V4's caches so far")
     if page_dtype is not None:
         logger.warning("--kv-cache-dtype %s: KV pages stored in float8 e4m3 with a scale per vector, a LOSSY "
                        "cache (its cost on logits: BENCHMARKS.md)", kv_cache_dtype)
