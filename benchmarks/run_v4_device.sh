@@ -12,6 +12,7 @@ out=${OUT:-out}
 mkdir -p "$out"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_v4_attention_kernel.py tests/test_v4_indexer_kernel.py tests/test_deepseek_v4_engine.py \
     tests/test_moe_small.py tests/test_moe_kernels.py tests/test_gpu.py tests/test_gpu_offload.py tests/test_hot_experts.py \
+    tests/test_attention.py tests/test_v4_decode_kernels.py \
     2>&1 | tail -30 | tee "$out/gpu_tests.txt"
 # The CPU expert kernel on the Xeon's AVX-512 (not gpu-marked: it runs on every ISA the CPU has).
 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_experts.py tests/test_deepseek_v4.py 2>&1 | tail -5 \
