@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tandem.attention import get_attention_backend  # noqa: E402
-from tandem.attention.torch_ref import FP8_MAX, quantize_fp8  # noqa: E402
+from tandem.kv.tensors import FP8_MAX, quantize_fp8  # noqa: E402
 from triton_interp import interpreted_module  # noqa: E402
 from tandem.core import StepMetadata  # noqa: E402
 

@@ -8,15 +8,7 @@ import torch.nn.functional as F
 
 from tandem.attention.backend import check_kv_scales, register_attention_backend
 from tandem.core import StepMetadata
-
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (x / s as float8_e4m3fn [..., D], s float32 [...]): one scale per vector,
-    s = max(amax(|x|), 1e-12) / 448, the rule of DeepSeek-V4's fp8 pages."""
-    scale = x.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+from tandem.kv.tensors import quantize_fp8
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

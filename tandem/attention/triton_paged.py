@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from tandem.attention.backend import check_kv_scales, register_attention_backend
-from tandem.attention.torch_ref import FP8_MAX
 from tandem.core import StepMetadata
 from tandem.kernels.device import sm_count
+from tandem.kv.tensors import FP8_MAX
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: keeps fully masked rows NaN-free
 _LOG2E = 1.4426950408889634
@@ -59,7 +59,7 @@ def _write_kv_kernel(
 
 @triton.jit
 def _store_fp8(x, dst, scale_dst, head_ok):
-    """Quantize the [HKV_P, D] rows x (one vector per KV head) as torch_ref.quantize_fp8 does, with
+    """Quantize the [HKV_P, D] rows x (one vector per KV head) as kv/tensors.py quantize_fp8 does, with
     round-to-nearest divisions (Triton's `/` is approximate) so the bytes equal torch's."""
     x = x.to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), _FP8_MAX)  # [HKV_P]

@@ -25,6 +25,15 @@ import torch
 
 from tandem.kv.manager import KVCacheManager
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule of fp8 pages: x [..., D] -> (x / s as float8_e4m3fn [..., D], s float32 [...]),
+    one scale per vector, s = max(amax(|x|), 1e-12) / 448. Reading back is stored.float() * s."""
+    scale = x.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
+
 
 @dataclass(frozen=True)
 class LayerCache:

@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from tandem.core import StepMetadata
-from tandem.kv.tensors import LayerCache
+from tandem.kv.tensors import LayerCache, quantize_fp8
 from tandem.models.deepseek_v4_attention import DeepseekV4Attention, SparseCompressor
 from tandem.models.deepseek_v4_state import AttentionState, CompressorState, TokenRows
 
@@ -44,16 +44,13 @@ def _flat(pages: torch.Tensor) -> torch.Tensor:
     return pages.view(-1, pages.shape[-1])
 
 
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
 def _write(pages: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """Store rows [n, width] at flat slots; fp8 pages (with `scales`) get one scale per row, amax / 448."""
+    """Store rows [n, width] at flat slots; fp8 pages (with `scales`) get one scale per row (kv/tensors.py)."""
     if scales is None:
         _flat(pages)[slots] = rows.to(pages.dtype)
         return
-    scale = rows.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [n]
-    _flat(pages)[slots] = (rows.float() / scale[:, None]).to(pages.dtype)
+    stored, scale = quantize_fp8(rows)  # [n, width], [n]
+    _flat(pages)[slots] = stored
     scales.view(-1)[slots] = scale
 
 
