@@ -8,15 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_models import BLOCK_SIZE, NUM_BLOCKS, PagedRun
 from tiny_models import save_tiny_model
 
 from tandem.attention import get_attention_backend
-from tandem.core import StepMetadata
 from tandem.kv.tensors import LayerCache
 from tandem.models.loader import load_checkpoint
-
-BLOCK_SIZE = 16
-NUM_BLOCKS = 24
 
 
 @pytest.fixture(scope="module")
@@ -40,50 +37,6 @@ def make_caches(model, fp8: bool) -> list[tuple[LayerCache, ...]]:
     return caches
 
 
-class PagedRun:
-    """Steps of packed requests on bound caches with a hand-built StepMetadata; blocks come from the
-    top of the pool down, interleaved across requests (non-contiguous, out-of-order tables)."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.free = list(range(NUM_BLOCKS))[::-1]
-        self.tables: dict[str, list[int]] = {}
-        self.lens: dict[str, int] = {}
-
-    def step(self, chunks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """chunks: request id -> its new token ids [n]. Returns request id -> logits [n, V]."""
-        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
-        for rid, toks in chunks.items():
-            table, start = self.tables.setdefault(rid, []), self.lens.get(rid, 0)
-            end = start + len(toks)
-            while len(table) * BLOCK_SIZE < end:
-                table.append(self.free.pop(0))
-            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
-            ids.append(toks)
-            positions.append(torch.arange(start, end))
-            qsl.append(qsl[-1] + len(toks))
-            seq_lens.append(end)
-            self.lens[rid] = end
-        width = max(len(self.tables[r]) for r in chunks)
-        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in chunks], dtype=torch.int32)
-        step = StepMetadata(
-            request_ids=tuple(chunks),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=(table,),
-            slot_mappings=(torch.tensor(slots, dtype=torch.int64),),
-            logits_indices=torch.arange(qsl[-1]),
-            query_start_loc_cpu=tuple(qsl),
-            seq_lens_cpu=tuple(seq_lens),
-            block_size=BLOCK_SIZE,
-            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
-        )
-        with torch.no_grad():
-            hidden = self.model(torch.cat(ids), torch.cat(positions), step)
-            logits = self.model.compute_logits(hidden[step.logits_indices])  # [T, V] float32
-        return {rid: logits[qsl[i] : qsl[i + 1]] for i, rid in enumerate(chunks)}
-
-
 def prompts(model) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     vocab = model.args.vocab_size
@@ -97,7 +50,7 @@ def teacher_forced(model, caches: list[tuple[LayerCache, ...]] | None) -> torch.
     if caches is not None:
         model.bind_kv_caches(caches)
     a, b = prompts(model).values()
-    run = PagedRun(model)
+    run = PagedRun(model, bind=False)
     out = {"a": [], "b": []}
     for chunks in ({"a": a[:30], "b": b[:30]}, {"b": b[30:34], "a": a[30:31]}, {"a": a[31:48]}):
         for rid, logits in run.step(chunks).items():
@@ -111,7 +64,7 @@ def teacher_forced(model, caches: list[tuple[LayerCache, ...]] | None) -> torch.
 
 def greedy(model, caches, prompt: torch.Tensor, n: int) -> list[int]:
     model.bind_kv_caches(caches)
-    run = PagedRun(model)
+    run = PagedRun(model, bind=False)
     tok = int(run.step({"r": prompt})["r"][-1].argmax())
     out = [tok]
     for _ in range(n - 1):
@@ -189,8 +142,6 @@ def test_unscaled_binding_is_bitwise_unchanged(model):
 def test_the_engine_serves_a_full_attention_model_with_fp8_pages(tmp_path) -> None:
     """--kv-cache-dtype fp8 through the engine (tiny Qwen3-MoE, torch backend on CPU): the pages
     and scales are allocated and bound, and greedy tokens mostly follow the exact cache."""
-    from tiny_models import save_tiny_model
-
     from tandem import LLM, SamplingParams
 
     save_tiny_model(tmp_path, "qwen3_moe", seed=5)

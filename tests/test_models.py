@@ -99,11 +99,14 @@ class PagedRun:
     handed out from the top of the pool down and interleaved across requests, so block tables are
     non-contiguous and out of order."""
 
-    def __init__(self, model, num_blocks: int = NUM_BLOCKS) -> None:
+    def __init__(self, model, num_blocks: int = NUM_BLOCKS, bind: bool = True) -> None:
+        """`bind`: give the model fresh caches in its dtype (False: it keeps the ones it was bound
+        with, `num_blocks` of them)."""
         self.model = model
-        specs = model.kv_cache_specs()
-        caches = [torch.zeros(2, num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim, dtype=s.dtype) for s in specs]
-        model.bind_kv_caches([(LayerCache(0, c),) for c in caches])
+        if bind:
+            specs = model.kv_cache_specs()
+            caches = [torch.zeros(2, num_blocks, BLOCK_SIZE, s.num_kv_heads, s.head_dim, dtype=s.dtype) for s in specs]
+            model.bind_kv_caches([(LayerCache(0, c),) for c in caches])
         self.free = list(range(num_blocks))[::-1]
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
