@@ -16,7 +16,10 @@ whose argmax agrees, and the largest |logit difference| relative to the logits' 
 held-out chats (`--prompts` per task family, thinking on), each prompt in the cache and its
 reference answer teacher-forced, which is a real model's distribution rather than a random one's.
 
-    python benchmarks/bench_kv_fp8.py --model demo --dtype bfloat16 --prompts 2
+    python benchmarks/bench_kv_fp8.py --model demo --dtype bfloat16 --prompts 2 --accuracy-n 5
+
+`--accuracy-n N` (demo) also generates greedily for N held-out chats per family (all but the long
+"lookup" family) with each cache and checks the answers with the demo's own checker.
 """
 
 from __future__ import annotations
@@ -76,6 +79,24 @@ def demo_chats(per_family: int, continuation: int) -> tuple[list[list[int]], lis
     return seqs, lens
 
 
+def demo_accuracy(dtype: str, kv_cache_dtype: str, per_family: int) -> dict[str, float]:
+    """Greedy answers to the demo's held-out chats, checked by its checker: accuracy per family."""
+    from tandem import LLM
+    from tandem.demo import text
+    from tandem.demo.corpus import EVAL_SEED, FAMILIES, make_example
+    from tandem.demo.eval import generate_and_check
+
+    demo = ROOT / "tandem" / "assets" / "demo"
+    llm = LLM(str(demo), device="cpu", dtype=dtype, kv_cache_memory="2GiB", max_model_len=16384,
+              kv_cache_dtype=kv_cache_dtype)
+    families = [f for f in FAMILIES if f != "lookup"]  # its 6K-token prompts take long on a CPU
+    examples = [make_example(EVAL_SEED, i, fam) for fam in families for i in range(per_family)]
+    results = generate_and_check(llm, text.load_tokenizer(demo / "tokenizer.json"), examples, max_tokens=768)
+    out = {fam: sum(r["ok"] for r in results if r["family"] == fam) / per_family for fam in families}
+    out["overall"] = sum(r["ok"] for r in results) / len(results)
+    return out
+
+
 def teacher_forced_logits(model_dir: Path, dtype: str, kv_cache_dtype: str, seqs: list[list[int]],
                           prompt_lens: list[int]) -> list[torch.Tensor]:
     """Per sequence: logits [continuation + 1, V] of its rows after its prompt, the prompt in the cache."""
@@ -106,6 +127,7 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", choices=("tiny-v4", "demo"), default="tiny-v4")
+    ap.add_argument("--accuracy-n", type=int, default=0, help="demo: held-out chats per family to answer and check")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "demo":
@@ -132,6 +154,8 @@ def main() -> None:
             "max_abs_logit_diff_over_std": ((a - b).abs() / spread).max().item(),
             "mean_abs_logit_diff_over_std": ((a - b).abs() / spread).mean().item(),
         }
+    if args.model == "demo" and args.accuracy_n:
+        report["accuracy"] = {kv: demo_accuracy(args.dtype, kv, args.accuracy_n) for kv in ("auto", "fp8")}
     json.dump(report, sys.stdout, indent=2)
     print()
 

@@ -117,8 +117,10 @@ class HotExpertsExecutor:
             on_device = self.device_part(hidden, device_ids, device_w)
         on_cpu = self.cpu(hidden, cpu_ids, topk_weights)  # D2H, host node, H2D on the main stream
         main.wait_stream(self.side)
-        for t in (hidden, device_ids, device_w, on_device):
-            t.record_stream(self.side)
+        if not torch.cuda.is_current_stream_capturing():  # a graph's memory is its pool's: never freed
+            for t in (hidden, device_ids, device_w):  # made on the main stream, read on the side one
+                t.record_stream(self.side)
+            on_device.record_stream(main)  # made on the side stream, read (and freed) on the main one
         return on_cpu + on_device
 
     def hit_rate(self) -> float | None:
