@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--kv-gib", type=float, default=8.0)
     ap.add_argument("--skip-hf", action="store_true")
+
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = shape(args.shape, args.layers)

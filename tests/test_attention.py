@@ -247,9 +247,16 @@ def run_fp8(backend, q, k, v, cache, step, scale=None):
     ref = torch_ref.forward(q, k, v, ref_pages, step, 0, scale, kv_scales=ref_scales)
     with exact_interpreted_fp8_cast():
         out = backend.forward(q, k, v, pages, step, 0, scale, kv_scales=scales)
-    # Both wrote the same bytes and scales into the same slots.
-    assert torch.equal(pages.view(torch.uint8), ref_pages.view(torch.uint8))
-    torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0)
+    # Both wrote the same bytes and scales into the same slots. On CUDA torch divides amax by 448 as
+    # a multiplication by its reciprocal (1 ulp off an IEEE division, which the kernel does), so a
+    # scale may differ by that ulp there, and a byte by one code where x / s sits on a rounding edge.
+    if q.is_cuda:
+        torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+        codes = (pages.view(torch.uint8).int() - ref_pages.view(torch.uint8).int()).abs()
+        assert codes.max() <= 1 and (codes > 0).float().mean() < 1e-3
+    else:
+        assert torch.equal(pages.view(torch.uint8), ref_pages.view(torch.uint8))
+        torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0)
     return out, ref, exact, (pages, scales)
 
 

@@ -273,13 +273,9 @@ def test_a_v4_checkpoint_is_planned_from_its_tensors(tmp_path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_captured_decode_graphs_give_the_reference_tokens(tmp_path, monkeypatch) -> None:
-    """What `cuda_graphs` still keeps off: V4's decode and verify steps captured and replayed (fp32,
-    Triton attention, torch MoE... which is not capturable: every expert on the CPU instead), the
-    tokens against transformers. When this passes on a GPU, the flag can go."""
-    from tandem.models.deepseek_v4 import DeepseekV4ForCausalLM
-
-    monkeypatch.setattr(DeepseekV4ForCausalLM, "cuda_graphs", True)
+def test_on_cuda_captured_decode_graphs_give_the_reference_tokens(tmp_path) -> None:
+    """V4's decode and verify steps captured and replayed (fp32, Triton attention; the torch MoE
+    executor is not capturable, so every expert is on the CPU), the tokens against transformers."""
     hf = save_v4(tmp_path, "all_kinds")
     ps = prompts((5, 37, 70, 18))
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_memory="64MiB", attention_backend="triton",

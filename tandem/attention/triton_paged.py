@@ -63,7 +63,8 @@ def _store_fp8(x, dst, scale_dst, head_ok):
     round-to-nearest divisions (Triton's `/` is approximate) so the bytes equal torch's."""
     x = x.to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), _FP8_MAX)  # [HKV_P]
-    tl.store(dst, tl.math.div_rn(x, scale[:, None]).to(dst.dtype.element_ty), mask=head_ok[:, None])
+    q = tl.math.div_rn(x, scale[:, None]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")  # torch's rounding
+    tl.store(dst, q, mask=head_ok[:, None])
     tl.store(scale_dst, scale, mask=head_ok)
 
 

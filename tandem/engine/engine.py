@@ -201,11 +201,8 @@ class LLMEngine:
         if hot - CAPTURABLE_MOE:
             blockers.append(f"the hot experts' executor {sorted(hot - CAPTURABLE_MOE)[0]!r} (--dtype bfloat16 uses "
                             "'grouped')")
-        why = f"{' and '.join(blockers)} cannot be captured" if blockers else ""
-        if self.model.cuda_graphs is not True:
-            why = "; ".join(filter(None, (str(self.model.cuda_graphs), why)))
-        if why:
-            logger.warning("CUDA graphs off: %s; decode runs eagerly (slow)", why)
+        if blockers:
+            logger.warning("CUDA graphs off: %s cannot be captured; decode runs eagerly (slow)", " and ".join(blockers))
             return
         families = {"decode": (1,)}
         if self.config.spec.max_k:  # verify of 1..Kmax drafts

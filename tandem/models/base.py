@@ -25,8 +25,6 @@ class CausalLM(nn.Module):
     # The engine refuses a flag outside them and resolves "auto" within them.
     attention_backends: tuple[str, ...] | None = None
     moe_executors: tuple[str, ...] | None = None
-    # True when the engine may capture the model's steps in CUDA graphs, else why not (logged).
-    cuda_graphs: bool | str = True
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__()

@@ -201,7 +201,8 @@ class OffloadedExperts:
         blocks = model.moe_blocks()
         if device.type == "cuda" and self.layers:
             first = blocks[min(self.layers)]
-            self.staging = Staging(self.staging_rows, first.gate.in_features, first.top_k, dtype, device)
+            hidden = first.gate.weight.shape[1]  # the router: a Linear (Qwen3) or its own module (V4)
+            self.staging = Staging(self.staging_rows, hidden, first.top_k, dtype, device)
         device_executor = "grouped" if device.type == "cuda" and dtype == torch.bfloat16 else "torch"
         for i, layer in self.layers.items():
             executor = CpuMoEExecutor(layer, self.staging)
