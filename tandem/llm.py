@@ -120,10 +120,15 @@ class LLM:
              **template_kwargs: Any) -> Completion:
         """Render `messages` with the checkpoint's chat template (kwargs such as enable_thinking go
         to the template) and generate the assistant's reply."""
+        return self.generate([self.chat_prompt(messages, **template_kwargs)], sampling_params)[0]
+
+    def chat_prompt(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """The token ids of `messages` rendered with the checkpoint's chat template;
+        ChatTemplateError (a ValueError) when the tokenizer has none."""
         from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 
         tok = self.tokenizer
         if tok.chat_template is None:
             raise ChatTemplateError(f"{tok.model_dir}: the tokenizer has no chat template")
-        text = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token).render(messages, kwargs=template_kwargs)
-        return self.generate([tok.encode(text)], sampling_params)[0]
+        return tok.encode(ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token).render(messages,
+                                                                                            kwargs=template_kwargs))

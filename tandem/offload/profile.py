@@ -58,7 +58,6 @@ def read_prompts(path: Path) -> list[str | list[dict]]:
 def run(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
     from tandem.offload.hot_experts import ExpertCounts, record_routing
-    from tandem.server.chat_template import ChatTemplate
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
@@ -68,15 +67,7 @@ def run(args: argparse.Namespace) -> int:
     model = llm.engine.model
     if not hasattr(model, "moe_blocks") or not model.moe_blocks():
         raise ValueError(f"{args.model}: the model has no MoE layers to profile")
-    tok = llm.tokenizer
-    ids = []
-    for p in prompts:
-        if isinstance(p, str):
-            ids.append(tok.encode(p))
-        else:
-            if tok.chat_template is None:
-                raise ValueError(f"{args.model}: chat prompts need a chat template; the tokenizer has none")
-            ids.append(tok.encode(ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token).render(p)))
+    ids = [llm.tokenizer.encode(p) if isinstance(p, str) else llm.chat_prompt(p) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     with record_routing(model) as counts:
         outs = llm.generate(ids, params, use_tqdm=sys.stderr.isatty())
