@@ -315,3 +315,13 @@ class StepMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
+
+
+def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """query_start_loc [B + 1] int32 (device) -> each token's request row [num_tokens] int64, on the
+    device and of a fixed size (capturable). Padding tokens past the last request get row B - 1."""
+    import torch  # (this module imports torch only for type checking)
+
+    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
+    rows = torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)
+    return rows.clamp_(max=query_start_loc.shape[0] - 2)

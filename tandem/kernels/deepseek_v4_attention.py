@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.core import token_requests  # noqa: F401 (re-exported: the kernel's callers build its rows with it)
 from tandem.kernels.device import sm_count
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: masked tiles stay NaN-free
@@ -248,7 +249,7 @@ def deepseek_v4_paged_attention(
 
     q [T, Hh, D] (rotated; bf16/fp16/fp32, D a power of two in 16..512); positions [T] int64, the
     token's absolute position p; token_request [T] int: its request's row of the block tables
-    (`token_requests` builds it from query_start_loc); window_pages [1, N + 1, bs, 1, D], the
+    (`tandem.core.token_requests` builds it from query_start_loc); window_pages [1, N + 1, bs, 1, D], the
     sliding group's K=V pages with window_table [B, max_blocks] int32 (position j in slot
     table[r, j // bs] * bs + j % bs; the window must already hold the step's own rows); the query
     sees the positions p - window_size < j <= p. sinks [Hh] (float32, natural-log units).
@@ -314,13 +315,6 @@ def deepseek_v4_paged_attention(
         )
     return out
 
-
-def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """query_start_loc [B + 1] int32 (device) -> each token's request row [num_tokens] int64, on the
-    device and of a fixed size (capturable). Padding tokens past the last request get row B - 1."""
-    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
-    rows = torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)
-    return rows.clamp_(max=query_start_loc.shape[0] - 2)
 
 
 # --- the torch reference -------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def deepseek_v4_indexer_scores(
     q [T, Hi, Di] (rotated; bf16/fp16/fp32, Hi <= 128, Di <= 256, any sizes: tiles are padded);
     w [T, Hi] float32, the head weights weights_proj(hidden) * Hi^-0.5; positions [T] int, the token's
     absolute position p; token_request [T] int, its request's row of the block table
-    (`token_requests` in tandem/kernels/deepseek_v4_attention.py builds it from query_start_loc);
+    (`tandem.core.token_requests` builds it from query_start_loc);
     index_pages [NB + 1, bs, Di], the index keys, entry n of request r in slot
     block_table[r, n // bs] * bs + n % bs of block_table [B, max_blocks] int32; ratio: the
     indexer's compress ratio. fp8 (float8_e4m3fn) pages pass index_scales [NB + 1, bs] float32

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.core import StepMetadata
+from tandem.core import StepMetadata, token_requests
 from tandem.kv.tensors import LayerCache
 from tandem.models.deepseek_v4_attention import (
     DeepseekV4Attention,
@@ -35,13 +35,6 @@ from tandem.models.deepseek_v4_attention import (
     sink_attention,
 )
 from tandem.models.deepseek_v4_paged import _pages, _read, _write
-
-
-def token_requests(step: StepMetadata, num_tokens: int) -> torch.Tensor:
-    """Each token's request row [T] int64, on the device (pads past the last request: the last row)."""
-    qsl = step.query_start_loc
-    tokens = torch.arange(num_tokens, device=qsl.device, dtype=qsl.dtype)
-    return torch.searchsorted(qsl[1:].contiguous(), tokens, right=True).clamp_(max=qsl.shape[0] - 2)
 
 
 def _table_slots(table: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -173,7 +166,7 @@ def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, positions: t
     unless the pages are fp8 (it reads --dtype pages; the model logs that at bind time), else the
     torch gathers."""
     T = hidden.shape[0]
-    rows = token_requests(step, T)
+    rows = token_requests(step.query_start_loc, T)
     cos, sin = rotary(positions, hidden.dtype)
     q_latent, q, kv = attn._project(hidden[None], cos, sin)  # [1, T, Rq], [1, T, Hh, D], [1, T, D]
     window = caches[0]
