@@ -141,6 +141,20 @@ def test_step_cost_buckets_padding_hook_and_online_refinement() -> None:
     assert cost.seconds([0, 0]) == pytest.approx(2.0)  # bucket 4 has learned nothing
 
 
+def test_step_cost_never_predicts_a_step_free_when_real_steps_beat_the_tables() -> None:
+    # The tables were measured on a busy machine: real steps take a tenth of them. The residual
+    # learned on deep steps is shared by the bucket's cheap ones, whose modelled time is far
+    # smaller; the prediction stays at least a quarter of the tables' time (CI once saw a negative
+    # prediction reach the /metrics counter, which refuses one).
+    cost = StepCost({(1, 1): 0.001, (1, 4): 0.010}, extra=lambda ks: 0.002 * sum(ks))
+    for _ in range(100):
+        predicted = cost.observe([3], 0.0016)
+        assert predicted > 0
+    assert cost.learned([3]) < -0.01  # modelled 0.016, measured 0.0016
+    assert cost.seconds([0]) == pytest.approx(0.25 * 0.001)
+    assert cost.observe([0], 0.0009) == pytest.approx(0.25 * 0.001)
+
+
 def test_step_cost_drafter_time_and_missing_buckets() -> None:
     # Buckets 1, 2, 4, 8 captured, only 1 and 4 measured: 2 and 8 are read off the line.
     cost = StepCost({(1, 1): 1.0, (1, 2): 1.1, (4, 1): 1.6, (4, 2): 2.0},

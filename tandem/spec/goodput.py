@@ -51,6 +51,11 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations of the phase prior in each request's e
 HYSTERESIS = 0.02  # relative goodput gain needed to change the batch's ks
 DEFAULT_ACCEPT = 0.5  # a phase nothing has been seen of yet
 OUTLIER_FACTOR = 2.0  # a measured step counts as at most this many times its predicted time
+# A learned residual can be negative (the tables were measured on a busy machine, real steps are
+# faster), and it is shared by every depth of a bucket: added to a cheaper step's modelled time it
+# could predict a step taking no time, or less. A prediction never drops below this share of the
+# tables' time.
+MIN_MODELLED_SHARE = 0.25
 
 
 @dataclass
@@ -165,6 +170,10 @@ def _interp(points: Sequence[tuple[float, float]], x: float) -> float:
     return t0 + (t1 - t0) * (x - x0) / (x1 - x0) if x1 != x0 else t1
 
 
+def _with_residual(modelled: float, learned: float) -> float:
+    return max(modelled + learned, MIN_MODELLED_SHARE * modelled)
+
+
 @dataclass
 class StepCost:
     """Predicted seconds of one step for per-request draft depths ks.
@@ -257,8 +266,9 @@ class StepCost:
         return learned if learned is not None else self.residual.get((bucket, not drafting), 0.0)
 
     def seconds(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
-        """Predicted seconds of the step (see `modelled`), with what was learned online."""
-        return self.modelled(ks, drafted, include_draft) + self.learned(ks, drafted)
+        """Predicted seconds of the step (see `modelled`), with what was learned online; always
+        positive (`MIN_MODELLED_SHARE`)."""
+        return _with_residual(self.modelled(ks, drafted, include_draft), self.learned(ks, drafted))
 
     def observe(self, ks: Sequence[int], seconds: float, drafted: Sequence[int] | None = None) -> float:
         """A real step verifying ks (drafted at `drafted`) took `seconds`: refine the residual.
@@ -266,12 +276,13 @@ class StepCost:
         modelled = self.modelled(ks, drafted)
         key = self._residual_key(ks, drafted)
         old = self.learned(ks, drafted)
+        predicted = _with_residual(modelled, old)
         # One slow step (a page fault, a long stall) counts as at most OUTLIER_FACTOR times the
         # prediction: a persistent change is still learned within a few dozen steps (each may
         # double the estimate), an outlier is not frozen into the estimate.
-        err = min(seconds, OUTLIER_FACTOR * (modelled + old)) - modelled
+        err = min(seconds, OUTLIER_FACTOR * predicted) - modelled
         self.residual[key] = (1 - self.smoothing) * old + self.smoothing * err
-        return modelled + old
+        return predicted
 
     def table(self) -> str:
         """The measured verify (and drafter) times in ms, one line per bucket: for the start-up log."""
