@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hot-gib", type=float, default=8.0, help="--hot-expert-memory of the cached run")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--hot-first", action="store_true", help="run the cached configuration before the uncached one")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = dict(SHAPES[args.shape], num_hidden_layers=args.layers)
@@ -134,7 +135,7 @@ def main() -> None:
         counts_file = Path(tmp) / "counts.json"
         ExpertCounts("bench", ROWS, {i: tuple(torch.bincount(t.flatten(), minlength=cfg["num_experts"]).tolist())
                                      for i, t in calib.items()}).save(counts_file)
-        for hot in (0.0, args.hot_gib):
+        for hot in (args.hot_gib, 0.0) if args.hot_first else (0.0, args.hot_gib):
             offload = OffloadConfig(cpu_moe=True, cpu_moe_threads=args.threads,
                                     **({"hot_experts": str(counts_file), "hot_expert_memory": int(hot * 2**30)}
                                        if hot else {}))

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import free_device_memory, hbm_bandwidth, materialize_random, model_dir, run_decode, run_prefill, sync  # noqa: E402
+from profile_decode import decode_step_times, profile_graph  # noqa: E402
 
 from tandem.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
 from tandem.engine.engine import LLMEngine  # noqa: E402
@@ -153,7 +154,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--kv-gib", type=float, default=8.0)
     ap.add_argument("--skip-hf", action="store_true")
-
+    ap.add_argument("--profile", action="store_true",
+                    help="also the batch-1 graph's GPU time against the engine step, and its kernels by GPU time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = shape(args.shape, args.layers)
@@ -182,6 +184,10 @@ def main() -> None:
             results["decode"].append(r)
             print(f"tandem decode batch {b}: {r['decode_tok_s']:.2f} tok/s ({r['graph_steps']}/{r['steps']} steps in "
                   "CUDA graphs)", flush=True)
+        if args.profile and args.device == "cuda":
+            results["profile"], table = profile_graph(engine, (1, 1), decode_step_times(engine, args.prompt, 64), rows=40)
+            print(json.dumps(results["profile"], indent=2), "\n", table, flush=True)
+            results["profile_table"] = table
         if args.device == "cuda":
             results["prefill"] = run_prefill(engine, args.prefill, seed=7)
             print(f"tandem prefill {args.prefill}: {results['prefill']['prefill_tok_s']:.0f} tok/s", flush=True)

@@ -25,6 +25,50 @@ from tandem.builtin import TOKENIZER_ASSET  # noqa: E402
 from tandem.core import SamplingParams  # noqa: E402
 
 
+def decode_step_times(engine, prompt: int, tokens: int) -> list[float]:
+    """Seconds of each decode step of one greedy request (a `prompt`-token prompt, `tokens` new
+    tokens), after a warm-up request."""
+    engine.add_request("warm", list(range(100, 100 + prompt)), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                             ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    engine.add_request("p", list(range(1000, 1000 + prompt)), SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                                            ignore_eos=True))
+    engine.step()  # prefill
+    step_times = []
+    while engine.has_unfinished:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - t)
+    return step_times
+
+
+def profile_graph(engine, key: tuple[int, int], step_times: list[float], rows: int = 15) -> tuple[dict, str]:
+    """The captured graph `key`'s GPU time per replay against the median engine step of
+    `step_times` (the difference is host work), and its kernels by GPU time (one replay, torch
+    profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step_ms = 1e3 * sorted(step_times)[len(step_times) // 2]
+    graph = engine.runner.graphs[key].graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay_ms = start.elapsed_time(end) / 50
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return ({"median_step_ms": step_ms, "graph_replay_gpu_ms": replay_ms, "host_overhead_ms": step_ms - replay_ms,
+             "tok_s": 1e3 / step_ms, "tok_s_if_no_host_overhead": 1e3 / replay_ms}, table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=48)
@@ -36,38 +80,8 @@ def main() -> None:
     (model_dir / "config.json").write_text(json.dumps(cfg))
     shutil.copy(TOKENIZER_ASSET, model_dir / "tokenizer.json")
     engine = build_engine(cfg, model_dir, 1, 2048, 4.0, enforce_eager=False)
-    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    engine.add_request("warm", list(range(100, 612)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished:
-        engine.step()
-    engine.add_request("p", list(range(1000, 1512)), params)
-    engine.step()  # prefill
-    step_times = []
-    while engine.has_unfinished:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.step()
-        step_times.append(time.perf_counter() - t)
-    step_ms = 1e3 * sorted(step_times)[len(step_times) // 2]
-    graph = engine.runner.graphs[(1, 1)].graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        graph.replay()
-    start.record()
-    for _ in range(50):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay_ms = start.elapsed_time(end) / 50
-    # The same graph's kernels, by kind, from the torch profiler (one replay).
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
-    result = {"median_step_ms": step_ms, "graph_replay_gpu_ms": replay_ms, "host_overhead_ms": step_ms - replay_ms,
-              "tok_s": 1e3 / step_ms, "tok_s_if_no_host_overhead": 1e3 / replay_ms}
+    step_times = decode_step_times(engine, 512, args.tokens)
+    result, table = profile_graph(engine, (1, 1), step_times)
     print(json.dumps(result, indent=2))
     print(table)
     if args.out:

@@ -273,7 +273,8 @@ def check_written(pages, scales, k, v, slots):
         scale = scales[i].reshape(-1, hkv)[slots]  # [T, Hkv]
         x = x.float()
         amax = x.abs().amax(dim=-1)
-        torch.testing.assert_close(scale, amax.clamp(min=1e-12) / FP8_MAX, rtol=0, atol=0)
+        # One ulp: torch's float division on CUDA is not always IEEE-rounded, the kernel's is.
+        torch.testing.assert_close(scale, amax.clamp(min=1e-12) / FP8_MAX, rtol=2**-23, atol=0)
         # The largest element of each (nonzero) vector lands on fp8's max, and all round to within
         # half an ulp (3 mantissa bits: 2^-4 relative; the fixed floor covers the subnormals).
         assert torch.equal(stored.float().abs().amax(dim=-1), torch.where(amax > 0, FP8_MAX, 0.0))

@@ -221,12 +221,19 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = nn.Parameter(torch.ones(3))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [..., N, H] -> (collapsed block input [..., H], post [..., N], comb [..., N, N]), float32 weights."""
+    def forward(self, streams: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [..., N, H] -> (collapsed block input [..., H], post [..., N], comb [..., N, N]), float32 weights.
+        `kernel` (CUDA, streams [T, N, H]): everything after the linear map in one Triton kernel
+        (tandem/kernels/deepseek_v4_mhc.py), the same math."""
         n = self.n
         flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)  # [..., N*H]
+        mixes = F.linear(flat, self.fn.float())  # [..., (2+N)N]
+        if kernel:
+            from tandem.kernels.deepseek_v4_mhc import deepseek_v4_hc_pre
+
+            return deepseek_v4_hc_pre(streams, mixes, self.base, self.scale, self.hc_eps, self.iters)
         sizes = [n, n, n * n]
-        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split(sizes, dim=-1)  # [..., N], [..., N], [..., N*N]
+        pre_w, post_w, comb_w = mixes.split(sizes, dim=-1)  # [..., N], [..., N], [..., N*N]
         pre_b, post_b, comb_b = self.base.float().split(sizes)
         pre_s, post_s, comb_s = self.scale.float().unbind()
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps  # [..., N]
@@ -236,8 +243,14 @@ class HyperConnection(nn.Module):
         return collapsed, post, comb
 
     @staticmethod
-    def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """new stream k = post_k * block_out + sum_j comb[j, k] * stream_j. [..., N, H]."""
+    def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+              kernel: bool = False) -> torch.Tensor:
+        """new stream k = post_k * block_out + sum_j comb[j, k] * stream_j. [..., N, H]. `kernel`
+        (CUDA, streams [T, N, H]): in one Triton kernel, with the same roundings."""
+        if kernel:
+            from tandem.kernels.deepseek_v4_mhc import deepseek_v4_hc_merge
+
+            return deepseek_v4_hc_merge(streams, block_out, post, comb)
         dtype = streams.dtype
         mixed = torch.einsum("...jk,...jh->...kh", comb.to(dtype), streams)
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
@@ -310,14 +323,15 @@ class DeepseekV4DecoderLayer(nn.Module):
         return self.forward_tokens(streams, input_ids, attention), new_states
 
     def forward_tokens(self, streams: torch.Tensor, input_ids: torch.Tensor,
-                       attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                       attention: Callable[[torch.Tensor], torch.Tensor], kernel: bool = False) -> torch.Tensor:
         """Packed tokens: streams [T, N, H], input_ids [T] -> streams [T, N, H]; `attention` maps
-        the normed block input [T, H] to the attention output [T, H] (whatever holds its state)."""
-        collapsed, post, comb = self.attn_hc(streams)  # [T, H]
-        streams = HyperConnection.merge(streams, attention(self.input_layernorm(collapsed)), post, comb)
-        collapsed, post, comb = self.ffn_hc(streams)
+        the normed block input [T, H] to the attention output [T, H] (whatever holds its state).
+        `kernel`: the mHC in Triton (CUDA)."""
+        collapsed, post, comb = self.attn_hc(streams, kernel)  # [T, H]
+        streams = HyperConnection.merge(streams, attention(self.input_layernorm(collapsed)), post, comb, kernel)
+        collapsed, post, comb = self.ffn_hc(streams, kernel)
         ffn = self.mlp(self.post_attention_layernorm(collapsed), input_ids)  # [T, H]
-        return HyperConnection.merge(streams, ffn, post, comb)
+        return HyperConnection.merge(streams, ffn, post, comb, kernel)
 
 
 class DeepseekV4Model(nn.Module):
@@ -371,15 +385,16 @@ class DeepseekV4Model(nn.Module):
         on the paged cache groups -> final hidden [T, H]. Each layer loads every request's state
         from the caches, runs the incremental reference on it and stores back what it added
         (deepseek_v4_paged.py); decode and verify steps (queries of at most `decode_max_query`
-        tokens) run the sync-free path of deepseek_v4_decode.py instead, its attention the Triton
-        kernel with `kernel`."""
+        tokens) run the sync-free path of deepseek_v4_decode.py instead, with `kernel` its attention,
+        indexer scores and mHC in Triton."""
         streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.hc_mult, -1)  # [T, N, H]
         if step.max_query_len <= self.decode_max_query:
             for layer, layer_caches in zip(self.layers, caches):
                 attn = layer.self_attn
                 rotary = self.rotary_emb[attn.rope_kind]
                 streams = layer.forward_tokens(streams, input_ids, lambda x, attn=attn, c=layer_caches, rotary=rotary:
-                                               decode.attention_step(attn, x, positions, c, step, rotary, kernel))
+                                               decode.attention_step(attn, x, positions, c, step, rotary, kernel),
+                                               kernel)
             return self.norm(self.hc_head(streams))
         requests = [paged.PagedRequest(step, r) for r in range(step.num_requests)]
         lengths = [req.end - req.start for req in requests]
@@ -447,7 +462,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         return []
 
     def set_attention_backend(self, name: str) -> None:
-        """"triton": decode / verify attention in the Triton kernel (CUDA, pages not in fp8); "torch": its gather."""
+        """"triton": decode / verify steps run V4's Triton kernels (CUDA): the attention (pages not in
+        fp8), the indexer's scores and the mHC; "torch": the torch reference of each."""
         if name not in self.attention_backends:
             raise ValueError(f"attention backend {name!r}: DeepSeek-V4 runs {', '.join(self.attention_backends)}")
         if name == "triton" and self.model.embed_tokens.weight.device.type != "cuda":
