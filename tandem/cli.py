@@ -98,6 +98,15 @@ def _add_offload_flags(p: argparse.ArgumentParser) -> None:
                         "`tandem profile-experts` into FILE (with --hot-expert-memory)")
     p.add_argument("--hot-expert-memory", default=None, metavar="SIZE",
                    help="GPU memory for the hot experts, e.g. 4GiB")
+    p.add_argument("--stream-experts", default="auto", choices=("auto", "on", "off"),
+                   help="with experts in RAM, run long prefill steps on the GPU with the experts copied over PCIe: "
+                        "auto (on CUDA, for steps of at least the cost model's threshold), on, off (default: auto)")
+    p.add_argument("--stream-experts-min-tokens", type=int, default=None, metavar="N",
+                   help="stream the experts for steps of at least N tokens (default: the cost model's threshold, "
+                        "from PCIe and CPU-expert speed measured at start-up)")
+    p.add_argument("--stream-experts-memory", default=None, metavar="SIZE",
+                   help="GPU memory for expert streaming: the copy buffers and one unpacked group of experts "
+                        "(default: 2GiB, or what a whole layer's experts need if less)")
 
 
 def offload_config(args: argparse.Namespace) -> OffloadConfig:
@@ -110,6 +119,9 @@ def offload_config(args: argparse.Namespace) -> OffloadConfig:
         cpu_memory=parse_size(args.cpu_memory) if args.cpu_memory else None,
         hot_experts=args.hot_experts,
         hot_expert_memory=parse_size(args.hot_expert_memory) if args.hot_expert_memory else None,
+        stream_experts=args.stream_experts,
+        stream_experts_min_tokens=args.stream_experts_min_tokens,
+        stream_experts_memory=parse_size(args.stream_experts_memory) if args.stream_experts_memory else None,
     )
 
 

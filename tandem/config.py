@@ -290,6 +290,12 @@ class OffloadConfig:
     # the device bytes its most-used experts of the offloaded layers may take there as well.
     hot_experts: str | None = None
     hot_expert_memory: int | None = None
+    # PCIe streaming for long prefill steps (tandem/offload/streaming.py): "auto" streams on CUDA
+    # when the format allows, from the cost model's threshold; "on" also on a CPU run (the same
+    # math there: for checking) and refuses a format that cannot stream; "off" never.
+    stream_experts: str = "auto"
+    stream_experts_min_tokens: int | None = None  # overrides the cost model's threshold
+    stream_experts_memory: int | None = None  # device bytes of the ring and one unpacked group (None: auto)
 
     def __post_init__(self) -> None:
         if self.cpu_moe and self.n_cpu_moe is not None:
@@ -312,6 +318,12 @@ class OffloadConfig:
                              "which experts, the size how many")
         if self.hot_expert_memory is not None and self.hot_expert_memory <= 0:
             raise ValueError("--hot-expert-memory must be positive")
+        if self.stream_experts not in ("auto", "on", "off"):
+            raise ValueError(f"--stream-experts must be auto, on or off, got {self.stream_experts!r}")
+        if self.stream_experts_min_tokens is not None and self.stream_experts_min_tokens < 1:
+            raise ValueError(f"--stream-experts-min-tokens must be at least 1, got {self.stream_experts_min_tokens}")
+        if self.stream_experts_memory is not None and self.stream_experts_memory <= 0:
+            raise ValueError("--stream-experts-memory must be positive")
 
     @property
     def forced(self) -> bool:

@@ -59,6 +59,9 @@ class LLM:
         cpu_moe_dtype: str = "auto",
         hot_experts: str | None = None,
         hot_expert_memory: str | int | None = None,
+        stream_experts: str = "auto",
+        stream_experts_min_tokens: int | None = None,
+        stream_experts_memory: str | int | None = None,
     ) -> None:
         """Keyword arguments as `tandem serve`'s flags; `speculative_config` is the
         `--speculative-config` JSON (or its dict), e.g. {"method": "ngram", "num_speculative_tokens": 3}.
@@ -76,7 +79,10 @@ class LLM:
                                   if isinstance(gpu_resident_moe_layers, str) else gpu_resident_moe_layers,
                                   cpu_moe_threads, cpu_moe_dtype, hot_experts=hot_experts,
                                   hot_expert_memory=parse_size(hot_expert_memory) if hot_expert_memory is not None
-                                  else None),
+                                  else None, stream_experts=stream_experts,
+                                  stream_experts_min_tokens=stream_experts_min_tokens,
+                                  stream_experts_memory=parse_size(stream_experts_memory)
+                                  if stream_experts_memory is not None else None),
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

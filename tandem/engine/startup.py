@@ -81,7 +81,7 @@ def plan_placement(config: EngineConfig, device: torch.device, info: CheckpointI
         logger.warning("--cpu-moe-dtype %s is a LOSSY conversion of the checkpoint's expert weights",
                        placement.cpu_format)
     rows = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs * (1 + cfg.spec.max_k))
-    return OffloadedExperts(placement, cfg.offload.cpu_moe_threads, staging_rows=rows)
+    return OffloadedExperts(placement, cfg.offload.cpu_moe_threads, staging_rows=rows, offload=cfg.offload)
 
 
 def _check_weights_fit(config: EngineConfig, device: torch.device, weights_bytes: int) -> None:

@@ -170,21 +170,40 @@ class GroupedMoEExecutor:
         small = self.small
         if small is not None and num_tokens * k <= small.SMALL_MAX_PAIRS and small.fused_ops_enabled():
             return small.fused_moe_small(hidden, topk_ids, topk_weights, self.w13, self.w2, self.limit)
-        flat_ids = topk_ids.reshape(-1)  # [T*k]
-        sorted_ids, order = torch.sort(flat_ids, stable=True)  # [T*k]; order: pair index, grouped by expert
-        offs = torch.searchsorted(sorted_ids, self.expert_range, right=True, out_int32=True)  # [E] int32 group ends
-        x = hidden[order // k]  # [T*k, H] rows in expert order
-        h = torch._grouped_mm(x, self.w13.transpose(1, 2), offs=offs)  # [T*k, 2I]
-        gate, up = h[:, : self.inter], h[:, self.inter :]
-        if self.limit is not None:
-            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        a = F.silu(gate) * up  # [T*k, I]
-        y_sorted = torch._grouped_mm(a, self.w2.transpose(1, 2), offs=offs)  # [T*k, H]
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted  # back to (token, slot) order; a permutation, so no accumulation
-        # [T, 1, k] @ [T, k, H]: the weighted sum over slots with fp32 accumulation, deterministic.
-        out = torch.bmm(topk_weights.to(y.dtype).unsqueeze(1), y.view(num_tokens, k, -1))  # [T, 1, H]
-        return out.squeeze(1)
+        x, order, offs = sort_by_expert(hidden, topk_ids, self.expert_range)
+        return combine_slots(expert_rows(x, self.w13, self.w2, offs, self.limit), order, topk_weights)
 
 
-__all__ = ["GroupedMoEExecutor", "check_grouped_support", "pack_expert_weights"]
+def sort_by_expert(hidden: torch.Tensor, topk_ids: torch.Tensor, expert_range: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1 of the module docstring: (x [T*k, H] rows in expert order, order [T*k] (the pair
+    each row is), offs [E] int32: the end row of each expert's group), on the device, no sync."""
+    k = topk_ids.shape[1]
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)  # [T*k]; order: pair index, grouped by expert
+    offs = torch.searchsorted(sorted_ids, expert_range, right=True, out_int32=True)  # [E] int32 group ends
+    return hidden[order // k], order, offs
+
+
+def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor,
+                limit: float | None) -> torch.Tensor:
+    """Step 2: rows x [N, H] grouped by expert (offs [E] int32 group ends, E = len(w13)) through
+    their expert's SwiGLU MLP (clamped by `limit` as DeepSeek-V4's) -> [N, H]."""
+    inter = w13.shape[1] // 2
+    h = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)  # [N, 2I]
+    gate, up = h[:, :inter], h[:, inter:]
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [N, H]
+
+
+def combine_slots(y_sorted: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Step 3: rows in expert order -> [T, H], each token's slots summed with its routing weights."""
+    num_tokens, k = topk_weights.shape
+    y = torch.empty_like(y_sorted)
+    y[order] = y_sorted  # back to (token, slot) order; a permutation, so no accumulation
+    # [T, 1, k] @ [T, k, H]: the weighted sum over slots with fp32 accumulation, deterministic.
+    return torch.bmm(topk_weights.to(y.dtype).unsqueeze(1), y.view(num_tokens, k, -1)).squeeze(1)  # [T, H]
+
+
+__all__ = ["GroupedMoEExecutor", "check_grouped_support", "combine_slots", "expert_rows", "pack_expert_weights",
+           "sort_by_expert"]

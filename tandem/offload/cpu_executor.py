@@ -31,8 +31,10 @@ import torch
 from torch import nn
 
 from tandem.offload.hot_experts import HotExpertsExecutor
+from tandem.offload.streaming import ExpertStreamer, StreamingExecutor
 
 if TYPE_CHECKING:
+    from tandem.config import OffloadConfig
     from tandem.offload.cpu_experts import CpuExpertLayer
     from tandem.offload.placement import Placement
 
@@ -137,10 +139,14 @@ class OffloadedExperts:
     second full copy in RAM), then installs a CpuMoEExecutor on each of those layers.
 
     `staging_rows` is the most rows one step hands an offloaded layer on CUDA (the largest
-    batch of a captured graph or a prefill chunk); longer eager calls are split."""
+    batch of a captured graph or a prefill chunk); longer eager calls are split. `offload` carries
+    the expert-streaming settings (tandem/offload/streaming.py; None: no streaming)."""
 
-    def __init__(self, placement: Placement, threads: int | None = None, staging_rows: int = 2048) -> None:
+    def __init__(self, placement: Placement, threads: int | None = None, staging_rows: int = 2048,
+                 offload: OffloadConfig | None = None) -> None:
         self.placement = placement
+        self.offload = offload
+        self.streamer: ExpertStreamer | None = None
         self.layers_in_ram = set(placement.cpu_layers)
         self.threads = threads
         self.staging_rows = staging_rows
@@ -212,6 +218,10 @@ class OffloadedExperts:
                                                                       device_executor)
             blocks[i].set_executor(executor)
         self._hot_weights.clear()
+        self.streamer = self._streamer(blocks, device, dtype)
+        if self.streamer is not None:
+            for i, layer in self.layers.items():
+                blocks[i].set_executor(StreamingExecutor(blocks[i].executor, self.streamer, i, layer.swiglu_limit))
         if self.hot:
             logger.info("Hot experts on %s: %d over %d layers (%.2f GiB, %s; predicted hit rate %.1f%%)", device,
                         sum(map(len, self.hot.values())), len(self.hot), self.placement.hot_bytes / 2**30,
@@ -220,6 +230,46 @@ class OffloadedExperts:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         logger.info("CPU experts installed on layers %s; peak RSS %.2f GiB (experts in RAM %.2f GiB)",
                     _short(sorted(self.layers)), peak / 2**30, self.placement.cpu_bytes / 2**30)
+
+    def _streamer(self, blocks: dict[int, nn.Module], device: torch.device, dtype: torch.dtype) -> ExpertStreamer | None:
+        """The expert streamer the settings ask for (None: off), its threshold from the cost model
+        unless given: PCIe and the CPU kernel are timed here (a second or so), and logged."""
+        from tandem.offload import streaming
+        from tandem.offload.measure import h2d_bandwidth
+
+        cfg = self.offload
+        if cfg is None or cfg.stream_experts == "off" or not self.layers:
+            return None
+        fmt = self.placement.cpu_format
+        if fmt not in streaming.STREAMABLE_FORMATS:
+            if cfg.stream_experts == "on":
+                raise ValueError(f"--stream-experts on: experts in RAM as {fmt} cannot be streamed yet (streamable: "
+                                 f"{', '.join(streaming.STREAMABLE_FORMATS)}); use --stream-experts off")
+            logger.info("Expert streaming off: experts in RAM as %s cannot be streamed yet (%s can); long prefill "
+                        "steps run on the CPU experts", fmt, ", ".join(streaming.STREAMABLE_FORMATS))
+            return None
+        if device.type != "cuda" and cfg.stream_experts == "auto":
+            return None  # a CPU run: there is no PCIe to stream over
+        min_tokens = cfg.stream_experts_min_tokens
+        if min_tokens is None and device.type != "cuda":
+            min_tokens = 1
+        if min_tokens is None:
+            first = min(self.layers)
+            top_k = blocks[first].top_k
+            h2d = h2d_bandwidth(device)
+            pair = streaming.measure_pair_seconds(self.layers[first], top_k)
+            layer_bytes = self.layers[first].nbytes
+            min_tokens = streaming.stream_threshold(layer_bytes, h2d, pair, top_k)
+            logger.info("Expert streaming cost model: PCIe host->device %.1f GB/s, CPU experts %.1f us per (token, "
+                        "expert) pair, %.2f GB of experts a layer -> steps of >= %d tokens stream "
+                        "(--stream-experts-min-tokens overrides)", h2d / 1e9, pair * 1e6, layer_bytes / 1e9, min_tokens)
+        layer = next(iter(self.layers.values()))
+        dense = 3 * layer.hidden_size * layer.intermediate_size * torch.empty((), dtype=dtype).element_size()
+        memory = self.placement.stream_bytes or streaming.stream_memory(cfg.stream_experts_memory, layer.num_experts,
+                                                                        layer.bytes_per_expert, dense)
+        streamer = streaming.ExpertStreamer(self.layers, device, dtype, memory, min_tokens)
+        logger.info("Expert streaming: %s", streamer.describe())
+        return streamer
 
     def _hot_expert(self, layer: int, expert: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
         module = copy.deepcopy(self._templates[layer]).to_empty(device=device).to(dtype).requires_grad_(False)

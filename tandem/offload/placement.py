@@ -23,6 +23,7 @@ import torch
 from tandem.config import OffloadConfig
 from tandem.models.loader import LAYER_INDEX
 from tandem.offload.hot_experts import ExpertCounts, choose_hot
+from tandem.offload.streaming import STREAMABLE_FORMATS, stream_memory
 
 GiB = 1024**3
 MiB = 1024**2
@@ -84,6 +85,7 @@ class Placement:
     hot: tuple[tuple[int, tuple[int, ...]], ...] = ()
     hot_hit_rate: float = 0.0
     hot_source: str = ""
+    stream_bytes: int = 0  # device memory for PCIe expert streaming (streaming.py; 0: none)
 
     @property
     def hot_bytes(self) -> int:
@@ -105,7 +107,7 @@ class Placement:
 
     @property
     def gpu_bytes(self) -> int:
-        return self.global_gpu_bytes + sum(p.gpu_bytes for p in self.layers) + self.hot_bytes
+        return self.global_gpu_bytes + sum(p.gpu_bytes for p in self.layers) + self.hot_bytes + self.stream_bytes
 
     @property
     def cpu_bytes(self) -> int:
@@ -149,6 +151,9 @@ class Placement:
             lines.append(f"    {'(hot)':<12} {'':<6} {'gpu':<11} {self.hot_bytes / MiB:9.1f} {0:9.1f}   {n} hot experts "
                          f"over {len(self.hot)} layers, also in RAM; predicted hit rate {100 * self.hot_hit_rate:.1f}% "
                          f"({self.hot_source})")
+        if self.stream_bytes:
+            lines.append(f"    {'(streaming)':<12} {'':<6} {'gpu':<11} {self.stream_bytes / MiB:9.1f} {0:9.1f}   buffers for "
+                         "long prefill steps' experts copied over PCIe (--stream-experts-memory)")
         lines.append(f"  weights on the GPU {self.gpu_bytes / GiB:.2f} GiB, routed experts in RAM "
                      f"{self.cpu_bytes / GiB:.2f} GiB")
         return lines
@@ -229,14 +234,22 @@ def plan_placement(
             layers.append(LayerPlacement(i, i in blocks, ("cpu" if on_cpu else "gpu") if i in blocks else None, gpu, ram,
                                          experts.get(i, 0)))
         p = Placement(tuple(layers), fmt, reason, outside, num_experts, top_k, hidden, inter, elem, problems)
+        if gpu_budget is not None and p.cpu_layers and offload.stream_experts != "off" and fmt in STREAMABLE_FORMATS:
+            p = replace(p, stream_bytes=stream_memory(offload.stream_experts_memory, num_experts, per_cpu,
+                                                      3 * hidden * inter * elem))
+            if not problems and gpu_need(cpu) + p.stream_bytes > gpu_budget:
+                short = (gpu_need(cpu) + p.stream_bytes - gpu_budget) / GiB
+                p = replace(p, problems=(f"the expert-streaming buffers ({p.stream_bytes / GiB:.2f} GiB) do not fit "
+                                         f"beside the rest of the GPU part ({short:.2f} GiB short); lower "
+                                         "--stream-experts-memory or use --stream-experts off",))
         if offload.hot_experts is None or not p.cpu_layers:
             return p
         counts = ExpertCounts.load(offload.hot_experts, num_experts, set(blocks))
         assert offload.hot_expert_memory is not None  # OffloadConfig checks they come together
         hot, rate = choose_hot(counts, list(p.cpu_layers), offload.hot_expert_memory, 3 * hidden * inter * elem)
         p = replace(p, hot=tuple(hot.items()), hot_hit_rate=rate, hot_source=f"--hot-experts {offload.hot_experts}")
-        if gpu_budget is not None and not problems and gpu_need(cpu) + p.hot_bytes > gpu_budget:
-            short = (gpu_need(cpu) + p.hot_bytes - gpu_budget) / GiB
+        if gpu_budget is not None and not p.problems and gpu_need(cpu) + p.hot_bytes + p.stream_bytes > gpu_budget:
+            short = (gpu_need(cpu) + p.hot_bytes + p.stream_bytes - gpu_budget) / GiB
             p = replace(p, problems=(f"the hot experts ({p.hot_bytes / GiB:.2f} GiB) do not fit beside the rest of the "
                                      f"GPU part ({short:.2f} GiB short); lower --hot-expert-memory",))
         return p

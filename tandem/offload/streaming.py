@@ -1,0 +1,265 @@
+"""PCIe expert streaming for long prefill chunks (issue 17, part 1).
+
+With the routed experts in RAM, a prefill chunk of thousands of tokens is compute-bound on the CPU
+(every expert meets hundreds of tokens), while copying the layer's experts to the GPU and
+computing there is bound by PCIe: the copy costs the same for 2K tokens as for 32K. So a step of
+at least `min_tokens` tokens streams; shorter ones (decode, verify, small chunks) keep the CPU
+kernel. `min_tokens` comes from the cost model (`stream_threshold`, from the host-to-device
+bandwidth and the CPU kernel's time per (token, expert) pair, both measured at start-up), or
+from --stream-experts-min-tokens.
+
+The experts stream in groups of `group` experts through a ring of `slots` device buffers holding
+the CPU kernel's packed bytes (tandem/offload/cpu_kernels/moe.h), in the order (offloaded layer,
+group): the copy of position p + slots - 1 is queued on the copy stream as soon as position p's
+compute is queued, so while the GPU computes one group the next ones are on the wire, across layer
+boundaries too (layer i's call queues the first groups of layer i + 1). A copy waits on the GPU
+for the compute that last read its slot (an event), never on the host. Each group is unpacked on
+the GPU into dense `w13 [G, 2I, H]`, `w2 [G, H, I]` (a permutation of the packed tiles: the
+formats that store plain values, fp32 and bf16, stream; the quantized ones do not yet) and its
+rows run through `expert_rows`, the grouped executor's math (tandem/kernels/moe_grouped.py). The
+result equals the CPU kernel's to rounding, and exactly in fp32 up to summation order.
+
+One host sync per streamed layer reads where each group's rows start (a prefill step syncs
+anyway: the CPU path's host node does). On a CPU run the same code runs with the CPU as the
+"device" (no copy stream): that is what CI checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels.moe_grouped import combine_slots, expert_rows, sort_by_expert
+from tandem.offload.cpu_experts import CpuExpertLayer
+
+logger = logging.getLogger("tandem")
+
+STREAMABLE_FORMATS = ("fp32", "bf16")  # the packed formats `unpack_experts` undoes on the device
+SLOTS = 3  # ring buffers: one computing, two on the wire
+_ROWS, _BLOCK = 16, 32  # moe.h's kRows and kBlock
+_ELEM = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
+
+
+def _geometry(fmt: str, hidden: int, inter: int) -> tuple[int, int, int, int, int]:
+    """(padded H, padded I, phase-1 tiles, phase-2 tiles, byte offset of the down tiles): moe.h's Geometry."""
+    hp, ip = math.ceil(hidden / _BLOCK) * _BLOCK, math.ceil(inter / _BLOCK) * _BLOCK
+    tiles1, tiles2 = math.ceil(inter / (_ROWS // 2)), math.ceil(hidden / _ROWS)
+    return hp, ip, tiles1, tiles2, tiles1 * hp * _ROWS * _ELEM[fmt][1]
+
+
+def _tile_rows(raw: torch.Tensor, fmt: str, tiles: int, k: int) -> torch.Tensor:
+    """Packed tiles (uint8 [G, tiles * 16 * k * elem]) -> their rows [G, tiles, 16, k] in the format's dtype."""
+    dtype = _ELEM[fmt][0]
+    g = raw.shape[0]
+    values = raw.view(dtype)
+    if fmt == "fp32":  # a tile is [K][16]: one input index of its 16 rows after the other
+        return values.view(g, tiles, k, _ROWS).permute(0, 1, 3, 2)
+    # bf16: [K/2][16] pairs; the pair of row r holds inputs 2i (first) and 2i + 1
+    return values.view(g, tiles, k // 2, _ROWS, 2).permute(0, 1, 3, 2, 4).reshape(g, tiles, _ROWS, k)
+
+
+def unpack_experts(packed: torch.Tensor, fmt: str, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """G experts in the CPU kernel's packed layout (uint8 [G, bytes per expert], any device) ->
+    (w13 [G, 2I, H]: gate rows then up rows, w2 [G, H, I]) in the format's dtype, on that device."""
+    if fmt not in STREAMABLE_FORMATS:
+        raise ValueError(f"experts packed as {fmt} cannot be unpacked on the device (streamable: "
+                         f"{', '.join(STREAMABLE_FORMATS)})")
+    hp, ip, tiles1, tiles2, down = _geometry(fmt, hidden, inter)
+    elem = _ELEM[fmt][1]
+    g = packed.shape[0]
+    phase1 = _tile_rows(packed[:, :down], fmt, tiles1, hp)  # [G, tiles1, 16, Hp]: gate rows 0-7, up rows 8-15
+    gate = phase1[:, :, : _ROWS // 2].reshape(g, tiles1 * _ROWS // 2, hp)[:, :inter, :hidden]
+    up = phase1[:, :, _ROWS // 2 :].reshape(g, tiles1 * _ROWS // 2, hp)[:, :inter, :hidden]
+    phase2 = _tile_rows(packed[:, down : down + tiles2 * _ROWS * ip * elem], fmt, tiles2, ip)  # [G, tiles2, 16, Ip]
+    w2 = phase2.reshape(g, tiles2 * _ROWS, ip)[:, :hidden, :inter].contiguous()
+    return torch.cat((gate, up), dim=1), w2
+
+
+DEFAULT_MEMORY = 2 << 30
+
+
+def stream_memory(requested: int | None, num_experts: int, expert_bytes: int, dense_bytes: int) -> int:
+    """Device bytes streaming takes: `requested` (--stream-experts-memory), else 2 GiB or what
+    groups of a whole layer need, if less (the ring's packed bytes and one unpacked group)."""
+    return requested if requested is not None else min(DEFAULT_MEMORY, num_experts * (SLOTS * expert_bytes + dense_bytes))
+
+
+def stream_threshold(layer_bytes: int, h2d: float, pair_seconds: float, top_k: int) -> int:
+    """The fewest tokens for which streaming a layer's experts (`layer_bytes` at `h2d` bytes/s;
+    the GPU's compute hides under the copy) beats the CPU kernel, which spends `pair_seconds`
+    per (token, expert) pair on a compute-bound chunk."""
+    if h2d <= 0 or pair_seconds <= 0:
+        raise ValueError(f"bandwidth and pair time must be positive, got {h2d}, {pair_seconds}")
+    return max(1, math.ceil(layer_bytes / h2d / (top_k * pair_seconds)))
+
+
+def measure_pair_seconds(layer: CpuExpertLayer, top_k: int, tokens: int = 512, repeats: int = 2) -> float:
+    """The CPU kernel's seconds per (token, expert) pair on a `tokens`-token call with random
+    routing (compute-bound: every expert meets ~tokens * top_k / E of them)."""
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.float32 if layer.fmt == "fp32" else torch.bfloat16
+    hidden = (torch.randn(tokens, layer.hidden_size, generator=g) * 0.1).to(dtype)
+    ids = torch.rand(tokens, layer.num_experts, generator=g).argsort(-1)[:, :top_k]
+    weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=dtype)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        layer(hidden, ids, weights)
+        best = min(best, time.perf_counter() - start)
+    return best / (tokens * top_k)
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """Bytes sent over PCIe since `reset_stats`, and the copy stream's seconds from the first
+    copy's start to the last one's end (CUDA events; 0 on a CPU run)."""
+
+    bytes: int
+    seconds: float
+    layers: int  # layer calls that streamed
+
+    @property
+    def bandwidth(self) -> float:
+        return self.bytes / self.seconds if self.seconds else 0.0
+
+
+class ExpertStreamer:
+    """The ring, the copy stream and the decision, shared by every offloaded layer (module docstring)."""
+
+    def __init__(self, layers: dict[int, CpuExpertLayer], device: torch.device, dtype: torch.dtype, memory: int,
+                 min_tokens: int) -> None:
+        first = layers[min(layers)]
+        self.fmt, self.hidden, self.inter = first.fmt, first.hidden_size, first.intermediate_size
+        if self.fmt not in STREAMABLE_FORMATS:
+            raise ValueError(f"--stream-experts: experts in RAM as {self.fmt} cannot be streamed yet (streamable: "
+                             f"{', '.join(STREAMABLE_FORMATS)}); use --stream-experts off")
+        self.layers, self.device, self.dtype, self.min_tokens = layers, device, dtype, min_tokens
+        self.num_experts, self.expert_bytes = first.num_experts, first.bytes_per_expert
+        dense = 3 * self.hidden * self.inter * torch.empty((), dtype=dtype).element_size()
+        per_expert = SLOTS * self.expert_bytes + dense  # the ring's bytes and the unpacked group's
+        if memory < per_expert:
+            raise ValueError(f"--stream-experts-memory {memory / 2**20:.2f} MiB holds no group: the ring of {SLOTS} "
+                             f"and the unpacked experts need {per_expert / 2**20:.2f} MiB per expert in a group")
+        self.group = min(self.num_experts, memory // per_expert)
+        self.groups_per_layer = math.ceil(self.num_experts / self.group)
+        self.order = sorted(layers)
+        self.first_position = {layer: i * self.groups_per_layer for i, layer in enumerate(self.order)}
+        self.num_positions = len(self.order) * self.groups_per_layer
+        self.buffers = torch.empty(SLOTS, self.group * self.expert_bytes, dtype=torch.uint8, device=device)
+        self.holds = [-1] * SLOTS  # the position each slot's bytes are (or are being) copied from
+        self.expert_range = torch.arange(self.num_experts, device=device)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.ready = [torch.cuda.Event() for _ in range(SLOTS)]  # the slot's copy is done
+            self.free: list[torch.cuda.Event | None] = [None] * SLOTS  # the last compute reading it is done
+        self.reset_stats()
+
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the streaming takes: the ring and one unpacked group."""
+        dense = 3 * self.hidden * self.inter * torch.empty((), dtype=self.dtype).element_size()
+        return self.buffers.numel() + self.group * dense
+
+    def describe(self) -> str:
+        return (f"steps of >= {self.min_tokens} tokens stream the experts of {len(self.order)} layers over "
+                f"{'PCIe' if self.cuda else 'memory (CPU run)'}, {self.group} experts a copy through {SLOTS} buffers "
+                f"({self.device_bytes / 2**30:.2f} GiB on {self.device})")
+
+    def wants(self, num_tokens: int) -> bool:
+        """Whether a call of `num_tokens` rows streams (decided on the host from its shape; never
+        inside a graph capture)."""
+        if num_tokens < self.min_tokens:
+            return False
+        return not (self.cuda and torch.cuda.is_current_stream_capturing())
+
+    def reset_stats(self) -> None:
+        self._bytes, self._layers = 0, 0
+        self._start: torch.cuda.Event | None = None
+        self._end: torch.cuda.Event | None = None
+
+    def stats(self) -> StreamStats:
+        """What was streamed since `reset_stats` (synchronises with the copy stream)."""
+        seconds = 0.0
+        if self._start is not None and self._end is not None:
+            self._end.synchronize()
+            seconds = self._start.elapsed_time(self._end) / 1e3
+        return StreamStats(self._bytes, seconds, self._layers)
+
+    def _experts_of(self, position: int) -> tuple[int, int, int]:
+        layer = self.order[position // self.groups_per_layer]
+        e0 = position % self.groups_per_layer * self.group
+        return layer, e0, min(e0 + self.group, self.num_experts)
+
+    def _ensure(self, position: int) -> None:
+        """Queue the copy of `position`'s experts into its slot unless the slot holds them."""
+        slot = position % SLOTS
+        if self.holds[slot] == position:
+            return
+        layer, e0, e1 = self._experts_of(position)
+        src = self.layers[layer].data[e0:e1].view(-1)
+        dst = self.buffers[slot, : src.numel()]
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                free = self.free[slot]
+                if free is not None:
+                    self.copy_stream.wait_event(free)
+                if self._start is None:
+                    self._start = torch.cuda.Event(enable_timing=True)
+                    self._start.record(self.copy_stream)
+                dst.copy_(src, non_blocking=True)  # pinned (pin_in_place): an asynchronous DMA
+                self.ready[slot].record(self.copy_stream)
+                self._end = self._end or torch.cuda.Event(enable_timing=True)
+                self._end.record(self.copy_stream)
+        else:
+            dst.copy_(src)
+        self.holds[slot] = position
+        self._bytes += src.numel()
+
+    def run(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            limit: float | None) -> torch.Tensor:
+        """The layer's routed experts for these rows, computed on the device from streamed weights."""
+        x, order, offs = sort_by_expert(hidden, topk_ids, self.expert_range)
+        ends = offs.tolist()  # the one host sync: where each group's rows are
+        y = torch.empty_like(x)
+        first = self.first_position[layer]
+        for p in range(first, min(first + SLOTS - 1, self.num_positions)):  # fill the ring (no-op if prefetched)
+            self._ensure(p)
+        main = torch.cuda.current_stream(self.device) if self.cuda else None
+        for p in range(first, first + self.groups_per_layer):
+            self._ensure(p)
+            slot = p % SLOTS
+            _, e0, e1 = self._experts_of(p)
+            start, end = ends[e0 - 1] if e0 else 0, ends[e1 - 1]
+            if main is not None:
+                main.wait_event(self.ready[slot])
+            if end > start:
+                packed = self.buffers[slot, : (e1 - e0) * self.expert_bytes].view(e1 - e0, self.expert_bytes)
+                w13, w2 = unpack_experts(packed, self.fmt, self.hidden, self.inter)
+                local = offs[e0:e1] - start
+                y[start:end] = expert_rows(x[start:end], w13.to(self.dtype), w2.to(self.dtype), local, limit)
+                del w13, w2
+            if main is not None:
+                self.free[slot] = torch.cuda.Event()
+                self.free[slot].record(main)
+            if p + SLOTS - 1 < self.num_positions:  # reuses the slot of p - 1, whose compute is queued
+                self._ensure(p + SLOTS - 1)
+        self._layers += 1
+        return combine_slots(y, order, topk_weights)
+
+
+class StreamingExecutor:
+    """MoEExecutor of an offloaded layer: long steps through the streamer, the rest through `inner`
+    (the CPU experts, with the hot experts when there are)."""
+
+    def __init__(self, inner, streamer: ExpertStreamer, layer: int, limit: float | None) -> None:  # noqa: ANN001
+        self.inner, self.streamer, self.layer, self.limit = inner, streamer, layer, limit
+
+    def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.streamer.wants(hidden.shape[0]):
+            return self.streamer.run(self.layer, hidden, topk_ids, topk_weights, self.limit)
+        return self.inner(hidden, topk_ids, topk_weights)

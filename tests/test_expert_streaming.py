@@ -1,0 +1,116 @@
+"""PCIe expert streaming for long prefill steps (tandem/offload/streaming.py): the device-side
+unpack of the CPU kernel's packed experts against the kernel's own unpack, the streamer's ring
+(more groups than buffers, across layers, prefetched ahead) against the CPU experts, the cost
+model's threshold, and through the engine: greedy tokens equal whichever path a step takes. On a
+CPU run the "device" is the CPU: the same code without the copy stream."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+
+cpu_experts = pytest.importorskip("tandem.offload.cpu_experts")
+from tiny_models import save_tiny_model  # noqa: E402
+
+from tandem.offload import streaming  # noqa: E402
+from tandem.offload.cpu_experts import CpuExpertLayer  # noqa: E402
+
+
+def dense(num_experts: int, hidden: int, inter: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_experts, inter, hidden, generator=g) * 0.1,
+            torch.randn(num_experts, inter, hidden, generator=g) * 0.1,
+            torch.randn(num_experts, hidden, inter, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (48, 20), (40, 12)])  # padded tiles: H % 32, I % 8, I % 32
+def test_unpack_matches_the_kernels_own_unpack(fmt, hidden, inter) -> None:
+    gate, up, down = dense(5, hidden, inter)
+    layer = CpuExpertLayer.from_dense(gate, up, down, fmt)
+    w13, w2 = streaming.unpack_experts(layer.data[1:4], fmt, hidden, inter)
+    g, u, d = layer.dequantized()  # fp32, exactly what the kernel computes with
+    assert w13.shape == (3, 2 * inter, hidden) and w2.shape == (3, hidden, inter)
+    assert w13.dtype == (torch.float32 if fmt == "fp32" else torch.bfloat16)
+    assert torch.equal(w13.float(), torch.cat((g[1:4], u[1:4]), dim=1))
+    assert torch.equal(w2.float(), d[1:4])
+
+
+def test_quantized_formats_are_refused() -> None:
+    layer = CpuExpertLayer.from_dense(*dense(2, 64, 32), "int8")
+    with pytest.raises(ValueError, match="int8 cannot be unpacked"):
+        streaming.unpack_experts(layer.data, "int8", 64, 32)
+    with pytest.raises(ValueError, match="cannot be streamed yet"):
+        streaming.ExpertStreamer({0: layer}, torch.device("cpu"), torch.float32, 1 << 20, 1)
+
+
+def make_layers(num_layers: int, num_experts: int, hidden: int, inter: int, limit: float | None = None):
+    weights = {i: dense(num_experts, hidden, inter, seed=i) for i in range(num_layers)}
+    return weights, {i: CpuExpertLayer.from_dense(*w, "fp32", swiglu_limit=limit) for i, w in weights.items()}
+
+
+@pytest.mark.parametrize("limit", [None, 0.3])
+def test_streamer_ring_gives_the_cpu_experts_results(limit) -> None:
+    E, H, I, k = 10, 64, 32, 3
+    _, layers = make_layers(3, E, H, I, limit)
+    dense_bytes = 3 * H * I * 4
+    # Room for groups of 3 experts: 4 groups a layer, 12 positions through 3 slots.
+    memory = 3 * (streaming.SLOTS * layers[0].bytes_per_expert + dense_bytes)
+    s = streaming.ExpertStreamer(layers, torch.device("cpu"), torch.float32, memory, min_tokens=8)
+    assert (s.group, s.groups_per_layer, s.num_positions) == (3, 4, 12)
+    assert not s.wants(7) and s.wants(8)
+    g = torch.Generator().manual_seed(1)
+    for rep in range(2):  # the second pass finds other positions in the slots
+        for i, layer in layers.items():
+            x = torch.randn(37, H, generator=g)
+            ids = torch.rand(37, E, generator=g).argsort(-1)[:, :k]
+            ids[:5] = torch.tensor([0, 1, 2])  # some experts crowded, and (below) a group left without rows
+            ids[ids >= 6] = ids[ids >= 6] % 3 if i == 1 else ids[ids >= 6]
+            w = torch.softmax(torch.randn(37, k, generator=g), -1)
+            torch.testing.assert_close(s.run(i, x, ids, w, layer.swiglu_limit), layer(x, ids, w), rtol=1e-5, atol=1e-6)
+    stats = s.stats()
+    assert stats.layers == 6 and stats.bytes > 0
+
+
+def test_threshold_from_the_cost_model() -> None:
+    # 12.9 GB a layer over 50 GB/s against 65 us a pair at top-6: streaming wins from 662 tokens.
+    assert streaming.stream_threshold(12_900_000_000, 50e9, 65e-6, 6) == 662
+    assert streaming.stream_threshold(1, 50e9, 1.0, 6) == 1
+    with pytest.raises(ValueError, match="positive"):
+        streaming.stream_threshold(1, 0.0, 1.0, 6)
+
+
+def test_engine_streams_long_steps_and_gives_the_cpu_paths_tokens(tmp_path, caplog) -> None:
+    save_tiny_model(tmp_path, "qwen3_moe", seed=5, num_hidden_layers=3)
+    prompts = ["<|im_start|>user\nWrite a python function that reverses a list.<|im_end|>\n<|im_start|>assistant\n"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True)
+    want = [o.token_ids for o in LLM(str(tmp_path), **kw).generate(prompts, params)]
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_local_experts"]
+    per_expert = streaming.SLOTS * CpuExpertLayer.empty(1, h, i, "fp32").bytes_per_expert + 3 * h * i * 4
+    memory = (e // 3) * per_expert  # groups of a third of the experts (or so): several copies a layer
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        llm = LLM(str(tmp_path), stream_experts="on", stream_experts_min_tokens=8, stream_experts_memory=memory, **kw)
+    assert "Expert streaming: steps of >= 8 tokens stream" in caplog.text
+    streamer = llm.engine.model.cpu_experts.streamer
+    assert streamer is not None and streamer.groups_per_layer > 1  # several copies a layer
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert streamer.stats().layers == 3  # the prompt's one prefill step streamed its 3 layers; decode did not
+
+
+def test_auto_streams_nothing_on_a_cpu_run_and_off_is_off(tmp_path) -> None:
+    save_tiny_model(tmp_path, "qwen3_moe", seed=5, num_hidden_layers=2)
+    for mode in ("auto", "off"):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True,
+                  stream_experts=mode)
+        assert llm.engine.model.cpu_experts.streamer is None
+    with pytest.raises(ValueError, match="cannot be streamed yet"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True,
+            cpu_moe_dtype="int8", stream_experts="on")
