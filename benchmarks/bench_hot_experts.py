@@ -88,7 +88,7 @@ def build(cfg: dict, path: Path, device: str, dtype: torch.dtype, offload: Offlo
     """The model with every routed expert in RAM (random), plus the placement's hot experts."""
     model = build_meta_model(get_model_class(cfg["model_type"]), cfg, dtype, path / "config.json")
     placement = plan_placement(model, dtype, offload, None if device == "cpu" else 1 << 50, 0)
-    sink = OffloadedExperts(placement, threads, staging_rows=rows)
+    sink = OffloadedExperts(placement, threads, staging_rows=rows, offload=offload)
     sink.prepare(model)
     model = materialize_random(model, device)
     h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
@@ -136,7 +136,7 @@ def main() -> None:
         ExpertCounts("bench", ROWS, {i: tuple(torch.bincount(t.flatten(), minlength=cfg["num_experts"]).tolist())
                                      for i, t in calib.items()}).save(counts_file)
         for hot in (args.hot_gib, 0.0) if args.hot_first else (0.0, args.hot_gib):
-            offload = OffloadConfig(cpu_moe=True, cpu_moe_threads=args.threads,
+            offload = OffloadConfig(cpu_moe=True, cpu_moe_threads=args.threads, stream_experts="off",
                                     **({"hot_experts": str(counts_file), "hot_expert_memory": int(hot * 2**30)}
                                        if hot else {}))
             model, sink, placement = build(cfg, path, args.device, dtype, offload, args.threads,

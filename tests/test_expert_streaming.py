@@ -114,3 +114,31 @@ def test_auto_streams_nothing_on_a_cpu_run_and_off_is_off(tmp_path) -> None:
     with pytest.raises(ValueError, match="cannot be streamed yet"):
         LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True,
             cpu_moe_dtype="int8", stream_experts="on")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_ring_streams_over_pcie_and_gives_the_cpu_experts_results() -> None:
+    from tandem.offload.cpu_executor import pin_in_place
+
+    E, H, I, k = 16, 256, 128, 4
+    weights = {i: dense(E, H, I, seed=i) for i in range(3)}
+    layers = {i: CpuExpertLayer.from_dense(*(t.bfloat16() for t in w), "bf16") for i, w in weights.items()}
+    for layer in layers.values():
+        pin_in_place(layer.data)
+    memory = 3 * (streaming.SLOTS * layers[0].bytes_per_expert + 3 * H * I * 2)  # groups of 3: 6 a layer
+    s = streaming.ExpertStreamer(layers, torch.device("cuda"), torch.bfloat16, memory, min_tokens=16)
+    assert s.groups_per_layer == 6 and s.cuda
+    g = torch.Generator().manual_seed(3)
+    for rep in range(2):
+        outs, wants = [], []
+        for i, layer in layers.items():  # queued back to back: the copies run ahead of the computes
+            x = (torch.randn(300, H, generator=g) * 0.5).bfloat16()
+            ids = torch.rand(300, E, generator=g).argsort(-1)[:, :k]
+            w = torch.softmax(torch.randn(300, k, generator=g), -1).bfloat16()
+            outs.append(s.run(i, x.cuda(), ids.cuda(), w.cuda(), None))
+            wants.append(layer(x, ids, w))  # the CPU kernel on the same bf16 weights
+        for got, want in zip(outs, wants):
+            torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
+    stats = s.stats()
+    assert stats.layers == 6 and stats.bytes == 2 * 3 * E * layers[0].bytes_per_expert and stats.seconds > 0
