@@ -235,7 +235,6 @@ class OffloadedExperts:
         """The expert streamer the settings ask for (None: off), its threshold from the cost model
         unless given: PCIe and the CPU kernel are timed here (a second or so), and logged."""
         from tandem.offload import streaming
-        from tandem.offload.measure import h2d_bandwidth
 
         cfg = self.offload
         if cfg is None or cfg.stream_experts == "off" or not self.layers:
@@ -250,20 +249,21 @@ class OffloadedExperts:
             return None
         if device.type != "cuda" and cfg.stream_experts == "auto":
             return None  # a CPU run: there is no PCIe to stream over
+        from tandem.kernels.moe_grouped import check_grouped_support
+
+        layer = next(iter(self.layers.values()))
+        try:  # the streamed groups run through torch._grouped_mm: bf16 on sm90+ GPUs
+            check_grouped_support(dtype, device, layer.hidden_size, layer.intermediate_size)
+        except ValueError as e:
+            if cfg.stream_experts == "on":
+                raise ValueError(f"--stream-experts on: {e}") from e
+            logger.info("Expert streaming off (long prefill steps run on the CPU experts): %s", e)
+            return None
         min_tokens = cfg.stream_experts_min_tokens
         if min_tokens is None and device.type != "cuda":
             min_tokens = 1
         if min_tokens is None:
-            first = min(self.layers)
-            top_k = blocks[first].top_k
-            h2d = h2d_bandwidth(device)
-            pair = streaming.measure_pair_seconds(self.layers[first], top_k)
-            layer_bytes = self.layers[first].nbytes
-            min_tokens = streaming.stream_threshold(layer_bytes, h2d, pair, top_k)
-            logger.info("Expert streaming cost model: PCIe host->device %.1f GB/s, CPU experts %.1f us per (token, "
-                        "expert) pair, %.2f GB of experts a layer -> steps of >= %d tokens stream "
-                        "(--stream-experts-min-tokens overrides)", h2d / 1e9, pair * 1e6, layer_bytes / 1e9, min_tokens)
-        layer = next(iter(self.layers.values()))
+            min_tokens = streaming.measured_threshold(layer, blocks[min(self.layers)].top_k, device)
         dense = 3 * layer.hidden_size * layer.intermediate_size * torch.empty((), dtype=dtype).element_size()
         memory = self.placement.stream_bytes or streaming.stream_memory(cfg.stream_experts_memory, layer.num_experts,
                                                                         layer.bytes_per_expert, dense)

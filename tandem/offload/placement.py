@@ -234,7 +234,9 @@ def plan_placement(
             layers.append(LayerPlacement(i, i in blocks, ("cpu" if on_cpu else "gpu") if i in blocks else None, gpu, ram,
                                          experts.get(i, 0)))
         p = Placement(tuple(layers), fmt, reason, outside, num_experts, top_k, hidden, inter, elem, problems)
-        if gpu_budget is not None and p.cpu_layers and offload.stream_experts != "off" and fmt in STREAMABLE_FORMATS:
+        # Streamed groups run through torch._grouped_mm, bf16 on the GPU (cpu_executor.py's _streamer).
+        streams = offload.stream_experts != "off" and fmt in STREAMABLE_FORMATS and dtype == torch.bfloat16
+        if gpu_budget is not None and p.cpu_layers and streams:
             p = replace(p, stream_bytes=stream_memory(offload.stream_experts_memory, num_experts, per_cpu,
                                                       3 * hidden * inter * elem))
             if not problems and gpu_need(cpu) + p.stream_bytes > gpu_budget:

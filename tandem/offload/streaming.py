@@ -113,6 +113,20 @@ def measure_pair_seconds(layer: CpuExpertLayer, top_k: int, tokens: int = 512, r
     return best / (tokens * top_k)
 
 
+def measured_threshold(layer: CpuExpertLayer, top_k: int, device: torch.device) -> int:
+    """`stream_threshold` from this machine: PCIe host-to-device and the CPU kernel on `layer`,
+    timed now (a second or so) and logged."""
+    from tandem.offload.measure import h2d_bandwidth
+
+    h2d = h2d_bandwidth(device)
+    pair = measure_pair_seconds(layer, top_k)
+    tokens = stream_threshold(layer.nbytes, h2d, pair, top_k)
+    logger.info("Expert streaming cost model: PCIe host->device %.1f GB/s, CPU experts %.1f us per (token, expert) "
+                "pair, %.2f GB of experts a layer -> steps of >= %d tokens stream (--stream-experts-min-tokens "
+                "overrides)", h2d / 1e9, pair * 1e6, layer.nbytes / 1e9, tokens)
+    return tokens
+
+
 @dataclass(frozen=True)
 class StreamStats:
     """Bytes sent over PCIe since `reset_stats`, and the copy stream's seconds from the first
