@@ -28,25 +28,27 @@ def dense(num_experts: int, hidden: int, inter: int, seed: int = 0):
             torch.randn(num_experts, hidden, inter, generator=g) * 0.1)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "mxfp4"])
 @pytest.mark.parametrize("hidden,inter", [(64, 32), (48, 20), (40, 12)])  # padded tiles: H % 32, I % 8, I % 32
 def test_unpack_matches_the_kernels_own_unpack(fmt, hidden, inter) -> None:
+    if fmt == "mxfp4" and (hidden % 32 or inter % 32):
+        pytest.skip("mxfp4 layers have sizes in multiples of 32")
     gate, up, down = dense(5, hidden, inter)
     layer = CpuExpertLayer.from_dense(gate, up, down, fmt)
     w13, w2 = streaming.unpack_experts(layer.data[1:4], fmt, hidden, inter)
     g, u, d = layer.dequantized()  # fp32, exactly what the kernel computes with
     assert w13.shape == (3, 2 * inter, hidden) and w2.shape == (3, hidden, inter)
-    assert w13.dtype == (torch.float32 if fmt == "fp32" else torch.bfloat16)
+    assert w13.dtype == (torch.bfloat16 if fmt == "bf16" else torch.float32)
     assert torch.equal(w13.float(), torch.cat((g[1:4], u[1:4]), dim=1))
     assert torch.equal(w2.float(), d[1:4])
+    assert not torch.equal(w13[0], w13[1])  # different experts (a check that could pass on zeros would not)
+    bf16 = streaming.unpack_experts(layer.data[1:4], fmt, hidden, inter, torch.bfloat16)
+    assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0], w13.bfloat16())
 
 
-def test_quantized_formats_are_refused() -> None:
-    layer = CpuExpertLayer.from_dense(*dense(2, 64, 32), "int8")
-    with pytest.raises(ValueError, match="int8 cannot be unpacked"):
-        streaming.unpack_experts(layer.data, "int8", 64, 32)
-    with pytest.raises(ValueError, match="cannot be streamed yet"):
-        streaming.ExpertStreamer({0: layer}, torch.device("cpu"), torch.float32, 1 << 20, 1)
+def test_fp4_codes_decode_to_e2m1() -> None:
+    want = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    assert streaming._fp4_values(torch.arange(16, dtype=torch.uint8)).tolist() == want
 
 
 def make_layers(num_layers: int, num_experts: int, hidden: int, inter: int, limit: float | None = None):
@@ -58,9 +60,8 @@ def make_layers(num_layers: int, num_experts: int, hidden: int, inter: int, limi
 def test_streamer_ring_gives_the_cpu_experts_results(limit) -> None:
     E, H, I, k = 10, 64, 32, 3
     _, layers = make_layers(3, E, H, I, limit)
-    dense_bytes = 3 * H * I * 4
     # Room for groups of 3 experts: 4 groups a layer, 12 positions through 3 slots.
-    memory = 3 * (streaming.SLOTS * layers[0].bytes_per_expert + dense_bytes)
+    memory = 3 * streaming.unpacked_bytes_per_expert(layers[0].bytes_per_expert, H, I, torch.float32)
     s = streaming.ExpertStreamer(layers, torch.device("cpu"), torch.float32, memory, min_tokens=8)
     assert (s.group, s.groups_per_layer, s.num_positions) == (3, 4, 12)
     assert not s.wants(7) and s.wants(8)
@@ -93,7 +94,8 @@ def test_engine_streams_long_steps_and_gives_the_cpu_paths_tokens(tmp_path, capl
     want = [o.token_ids for o in LLM(str(tmp_path), **kw).generate(prompts, params)]
     cfg = json.loads((tmp_path / "config.json").read_text())
     h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_local_experts"]
-    per_expert = streaming.SLOTS * CpuExpertLayer.empty(1, h, i, "fp32").bytes_per_expert + 3 * h * i * 4
+    per_expert = streaming.unpacked_bytes_per_expert(CpuExpertLayer.empty(1, h, i, "fp32").bytes_per_expert, h, i,
+                                                     torch.float32)
     memory = (e // 3) * per_expert  # groups of a third of the experts (or so): several copies a layer
     with caplog.at_level(logging.INFO, logger="tandem"):
         llm = LLM(str(tmp_path), stream_experts="on", stream_experts_min_tokens=8, stream_experts_memory=memory, **kw)
@@ -111,9 +113,20 @@ def test_auto_streams_nothing_on_a_cpu_run_and_off_is_off(tmp_path) -> None:
         llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True,
                   stream_experts=mode)
         assert llm.engine.model.cpu_experts.streamer is None
-    with pytest.raises(ValueError, match="cannot be streamed yet"):
-        LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True,
-            cpu_moe_dtype="int8", stream_experts="on")
+
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "mxfp4"])
+def test_engine_streams_quantized_experts_with_the_cpu_kernels_tokens(tmp_path, fmt) -> None:
+    """The lossy formats stream as the values the CPU kernel decodes: the same greedy tokens."""
+    save_tiny_model(tmp_path, "qwen3_moe", seed=5, num_hidden_layers=2)
+    prompts = ["<|im_start|>user\nWhat is 17 plus 25?<|im_end|>\n<|im_start|>assistant\n"]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True, cpu_moe_dtype=fmt)
+    want = [o.token_ids for o in LLM(str(tmp_path), **kw).generate(prompts, params)]
+    llm = LLM(str(tmp_path), stream_experts="on", stream_experts_min_tokens=8, **kw)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.model.cpu_experts.streamer.stats().layers == 2
 
 
 @pytest.mark.gpu
@@ -126,7 +139,7 @@ def test_on_cuda_the_ring_streams_over_pcie_and_gives_the_cpu_experts_results() 
     layers = {i: CpuExpertLayer.from_dense(*(t.bfloat16() for t in w), "bf16") for i, w in weights.items()}
     for layer in layers.values():
         pin_in_place(layer.data)
-    memory = 3 * (streaming.SLOTS * layers[0].bytes_per_expert + 3 * H * I * 2)  # groups of 3: 6 a layer
+    memory = 3 * streaming.unpacked_bytes_per_expert(layers[0].bytes_per_expert, H, I, torch.bfloat16)  # 6 groups
     s = streaming.ExpertStreamer(layers, torch.device("cuda"), torch.bfloat16, memory, min_tokens=16)
     assert s.groups_per_layer == 6 and s.cuda
     g = torch.Generator().manual_seed(3)

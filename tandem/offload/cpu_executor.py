@@ -239,14 +239,6 @@ class OffloadedExperts:
         cfg = self.offload
         if cfg is None or cfg.stream_experts == "off" or not self.layers:
             return None
-        fmt = self.placement.cpu_format
-        if fmt not in streaming.STREAMABLE_FORMATS:
-            if cfg.stream_experts == "on":
-                raise ValueError(f"--stream-experts on: experts in RAM as {fmt} cannot be streamed yet (streamable: "
-                                 f"{', '.join(streaming.STREAMABLE_FORMATS)}); use --stream-experts off")
-            logger.info("Expert streaming off: experts in RAM as %s cannot be streamed yet (%s can); long prefill "
-                        "steps run on the CPU experts", fmt, ", ".join(streaming.STREAMABLE_FORMATS))
-            return None
         if device.type != "cuda" and cfg.stream_experts == "auto":
             return None  # a CPU run: there is no PCIe to stream over
         from tandem.kernels.moe_grouped import check_grouped_support
@@ -264,9 +256,10 @@ class OffloadedExperts:
             min_tokens = 1
         if min_tokens is None:
             min_tokens = streaming.measured_threshold(layer, blocks[min(self.layers)].top_k, device)
-        dense = 3 * layer.hidden_size * layer.intermediate_size * torch.empty((), dtype=dtype).element_size()
+        per_expert = streaming.unpacked_bytes_per_expert(layer.bytes_per_expert, layer.hidden_size,
+                                                         layer.intermediate_size, dtype)
         memory = self.placement.stream_bytes or streaming.stream_memory(cfg.stream_experts_memory, layer.num_experts,
-                                                                        layer.bytes_per_expert, dense)
+                                                                        per_expert)
         streamer = streaming.ExpertStreamer(self.layers, device, dtype, memory, min_tokens)
         logger.info("Expert streaming: %s", streamer.describe())
         return streamer

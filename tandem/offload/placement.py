@@ -23,7 +23,7 @@ import torch
 from tandem.config import OffloadConfig
 from tandem.models.loader import LAYER_INDEX
 from tandem.offload.hot_experts import ExpertCounts, choose_hot
-from tandem.offload.streaming import STREAMABLE_FORMATS, stream_memory
+from tandem.offload.streaming import STREAMABLE_FORMATS, stream_memory, unpacked_bytes_per_expert
 
 GiB = 1024**3
 MiB = 1024**2
@@ -237,8 +237,8 @@ def plan_placement(
         # Streamed groups run through torch._grouped_mm, bf16 on the GPU (cpu_executor.py's _streamer).
         streams = offload.stream_experts != "off" and fmt in STREAMABLE_FORMATS and dtype == torch.bfloat16
         if gpu_budget is not None and p.cpu_layers and streams:
-            p = replace(p, stream_bytes=stream_memory(offload.stream_experts_memory, num_experts, per_cpu,
-                                                      3 * hidden * inter * elem))
+            p = replace(p, stream_bytes=stream_memory(offload.stream_experts_memory, num_experts,
+                                                      unpacked_bytes_per_expert(per_cpu, hidden, inter, dtype)))
             if not problems and gpu_need(cpu) + p.stream_bytes > gpu_budget:
                 short = (gpu_need(cpu) + p.stream_bytes - gpu_budget) / GiB
                 p = replace(p, problems=(f"the expert-streaming buffers ({p.stream_bytes / GiB:.2f} GiB) do not fit "

@@ -14,10 +14,11 @@ group): the copy of position p + slots - 1 is queued on the copy stream as soon 
 compute is queued, so while the GPU computes one group the next ones are on the wire, across layer
 boundaries too (layer i's call queues the first groups of layer i + 1). A copy waits on the GPU
 for the compute that last read its slot (an event), never on the host. Each group is unpacked on
-the GPU into dense `w13 [G, 2I, H]`, `w2 [G, H, I]` (a permutation of the packed tiles: the
-formats that store plain values, fp32 and bf16, stream; the quantized ones do not yet) and its
-rows run through `expert_rows`, the grouped executor's math (tandem/kernels/moe_grouped.py). The
-result equals the CPU kernel's to rounding, and exactly in fp32 up to summation order.
+the GPU into dense `w13 [G, 2I, H]`, `w2 [G, H, I]` in the run's dtype (fp32 and bf16 tiles are a
+permutation of the stored values; int8, int4 and mxfp4 are decoded to the float32 values the CPU
+kernel computes with, then cast) and its rows run through `expert_rows`, the grouped executor's
+math (tandem/kernels/moe_grouped.py). The result equals the CPU kernel's to rounding, and exactly
+in fp32 up to summation order.
 
 One host sync per streamed layer reads where each group's rows start (a prefill step syncs
 anyway: the CPU path's host node does). On a CPU run the same code runs with the CPU as the
@@ -38,54 +39,115 @@ from tandem.offload.cpu_experts import CpuExpertLayer
 
 logger = logging.getLogger("tandem")
 
-STREAMABLE_FORMATS = ("fp32", "bf16")  # the packed formats `unpack_experts` undoes on the device
+STREAMABLE_FORMATS = ("fp32", "bf16", "int8", "int4", "mxfp4")  # the packed formats `unpack_experts` undoes
 SLOTS = 3  # ring buffers: one computing, two on the wire
 _ROWS, _BLOCK = 16, 32  # moe.h's kRows and kBlock
-_ELEM = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
+_QUANTIZED = ("int8", "int4", "mxfp4")
+_SCALE_BYTES = {"int4": _ROWS * 2, "mxfp4": _ROWS}  # per block: bf16 / E8M0 row scales, then the codes
+_CODE_BYTES = _BLOCK // 2 * _ROWS  # a block's 4-bit codes: 8 quads of [16 rows][2 bytes]
+
+
+def _tile_bytes(fmt: str, nb: int) -> int:
+    """moe.h's tile_bytes: one tile of 16 rows over nb blocks of 32 inputs."""
+    if fmt in ("fp32", "bf16"):
+        return nb * _BLOCK * _ROWS * (4 if fmt == "fp32" else 2)
+    if fmt == "int8":
+        return 64 + nb * _BLOCK * _ROWS
+    return nb * (_SCALE_BYTES[fmt] + _CODE_BYTES)
 
 
 def _geometry(fmt: str, hidden: int, inter: int) -> tuple[int, int, int, int, int]:
-    """(padded H, padded I, phase-1 tiles, phase-2 tiles, byte offset of the down tiles): moe.h's Geometry."""
-    hp, ip = math.ceil(hidden / _BLOCK) * _BLOCK, math.ceil(inter / _BLOCK) * _BLOCK
+    """(blocks along H, blocks along I, phase-1 tiles, phase-2 tiles, byte offset of the down
+    tiles): moe.h's Geometry."""
+    nb_h, nb_i = math.ceil(hidden / _BLOCK), math.ceil(inter / _BLOCK)
     tiles1, tiles2 = math.ceil(inter / (_ROWS // 2)), math.ceil(hidden / _ROWS)
-    return hp, ip, tiles1, tiles2, tiles1 * hp * _ROWS * _ELEM[fmt][1]
+    return nb_h, nb_i, tiles1, tiles2, tiles1 * _tile_bytes(fmt, nb_h)
 
 
-def _tile_rows(raw: torch.Tensor, fmt: str, tiles: int, k: int) -> torch.Tensor:
-    """Packed tiles (uint8 [G, tiles * 16 * k * elem]) -> their rows [G, tiles, 16, k] in the format's dtype."""
-    dtype = _ELEM[fmt][0]
-    g = raw.shape[0]
-    values = raw.view(dtype)
+def _fp4_values(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (0..15, uint8) -> float32: sign bit 3, exponent bits 1-2, mantissa bit 0
+    (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives: moe_scalar.cpp's kFp4Values)."""
+    e, m = ((codes >> 1) & 3).float(), (codes & 1).float()
+    magnitude = torch.where(e == 0, 0.5 * m, (1 + 0.5 * m) * torch.exp2(e - 1))
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
+def _tile_rows(raw: torch.Tensor, fmt: str, tiles: int, nb: int) -> torch.Tensor:
+    """Packed tiles (uint8 [G, tiles * tile bytes]) -> their rows [G, tiles, 16, nb * 32]: the
+    values as stored (fp32, bf16), or dequantized to float32 exactly as moe_scalar.cpp's
+    decode_block (code x scale)."""
+    g, k = raw.shape[0], nb * _BLOCK
     if fmt == "fp32":  # a tile is [K][16]: one input index of its 16 rows after the other
-        return values.view(g, tiles, k, _ROWS).permute(0, 1, 3, 2)
-    # bf16: [K/2][16] pairs; the pair of row r holds inputs 2i (first) and 2i + 1
-    return values.view(g, tiles, k // 2, _ROWS, 2).permute(0, 1, 3, 2, 4).reshape(g, tiles, _ROWS, k)
+        return raw.view(torch.float32).view(g, tiles, k, _ROWS).permute(0, 1, 3, 2)
+    if fmt == "bf16":  # [K/2][16] pairs; the pair of row r holds inputs 2i (first) and 2i + 1
+        return raw.view(torch.bfloat16).view(g, tiles, k // 2, _ROWS, 2).permute(0, 1, 3, 2, 4).reshape(g, tiles, _ROWS, k)
+    tile = raw.view(g, tiles, -1)
+    if fmt == "int8":  # [16] float row scales (64 bytes), then [K][16] int8
+        scales = tile[..., : 4 * _ROWS].contiguous().view(torch.float32)  # [G, tiles, 16]
+        codes = tile[..., 64:].view(torch.int8).view(g, tiles, k, _ROWS).permute(0, 1, 3, 2)
+        return codes.float() * scales[..., None]
+    blocks = tile.view(g, tiles, nb, -1)  # per block: the scales, then the codes
+    sb = _SCALE_BYTES[fmt]
+    if fmt == "int4":
+        scales = blocks[..., :sb].contiguous().view(torch.bfloat16).float()  # [G, tiles, nb, 16]
+    else:  # E8M0: 2^(s - 127); 0 is 2^-127 and 255 +inf, as decode_block
+        scales = torch.exp2(blocks[..., :sb].float() - 127)
+    # quad j, row r, byte h: input 4j + h in the low nibble, 4j + 2 + h in the high one
+    codes = blocks[..., sb:].view(g, tiles, nb, _BLOCK // 4, _ROWS, 2)
+    nibbles = torch.cat((codes & 15, codes >> 4), dim=-1)  # [.., j, r, 4]: inputs 4j + 0, 1, 2, 3
+    nibbles = nibbles.permute(0, 1, 4, 2, 3, 5).reshape(g, tiles, _ROWS, nb, _BLOCK)
+    if fmt == "int4":  # two's complement -8..7
+        values = nibbles.float() - 16 * (nibbles >= 8).float()
+    else:
+        values = _fp4_values(nibbles)
+    return (values * scales.permute(0, 1, 3, 2)[..., None]).reshape(g, tiles, _ROWS, k)
 
 
-def unpack_experts(packed: torch.Tensor, fmt: str, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_experts(packed: torch.Tensor, fmt: str, hidden: int, inter: int, dtype: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """G experts in the CPU kernel's packed layout (uint8 [G, bytes per expert], any device) ->
-    (w13 [G, 2I, H]: gate rows then up rows, w2 [G, H, I]) in the format's dtype, on that device."""
+    (w13 [G, 2I, H]: gate rows then up rows, w2 [G, H, I]) on that device, in `dtype` (default:
+    fp32 and bf16 as stored; the quantized formats dequantized to float32, the values the CPU
+    kernel computes with). Quantized experts are decoded one at a time, so the float32
+    temporaries are one expert's."""
     if fmt not in STREAMABLE_FORMATS:
         raise ValueError(f"experts packed as {fmt} cannot be unpacked on the device (streamable: "
                          f"{', '.join(STREAMABLE_FORMATS)})")
-    hp, ip, tiles1, tiles2, down = _geometry(fmt, hidden, inter)
-    elem = _ELEM[fmt][1]
-    g = packed.shape[0]
-    phase1 = _tile_rows(packed[:, :down], fmt, tiles1, hp)  # [G, tiles1, 16, Hp]: gate rows 0-7, up rows 8-15
+    if fmt in _QUANTIZED and packed.shape[0] > 1:
+        g, out = packed.shape[0], dtype or torch.float32
+        w13 = torch.empty(g, 2 * inter, hidden, dtype=out, device=packed.device)
+        w2 = torch.empty(g, hidden, inter, dtype=out, device=packed.device)
+        for e in range(g):
+            w13[e : e + 1], w2[e : e + 1] = unpack_experts(packed[e : e + 1], fmt, hidden, inter)
+        return w13, w2
+    w13, w2 = _unpack(packed, fmt, hidden, inter)
+    return (w13, w2) if dtype is None else (w13.to(dtype), w2.to(dtype))
+
+
+def unpacked_bytes_per_expert(expert_bytes: int, hidden: int, inter: int, dtype: torch.dtype) -> int:
+    """Device bytes streaming needs per expert of a group: its packed bytes in each ring slot, and
+    twice its unpacked weights (the group, and the copy the unpacking makes on the way)."""
+    return SLOTS * expert_bytes + 2 * 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
+
+
+def _unpack(packed: torch.Tensor, fmt: str, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    nb_h, nb_i, tiles1, tiles2, down = _geometry(fmt, hidden, inter)
+    g, hp, ip = packed.shape[0], nb_h * _BLOCK, nb_i * _BLOCK
+    phase1 = _tile_rows(packed[:, :down], fmt, tiles1, nb_h)  # [G, tiles1, 16, Hp]: gate rows 0-7, up rows 8-15
     gate = phase1[:, :, : _ROWS // 2].reshape(g, tiles1 * _ROWS // 2, hp)[:, :inter, :hidden]
     up = phase1[:, :, _ROWS // 2 :].reshape(g, tiles1 * _ROWS // 2, hp)[:, :inter, :hidden]
-    phase2 = _tile_rows(packed[:, down : down + tiles2 * _ROWS * ip * elem], fmt, tiles2, ip)  # [G, tiles2, 16, Ip]
-    w2 = phase2.reshape(g, tiles2 * _ROWS, ip)[:, :hidden, :inter].contiguous()
+    phase2 = _tile_rows(packed[:, down : down + tiles2 * _tile_bytes(fmt, nb_i)], fmt, tiles2, nb_i)
+    w2 = phase2.reshape(g, tiles2 * _ROWS, ip)[:, :hidden, :inter].contiguous()  # phase2: [G, tiles2, 16, Ip]
     return torch.cat((gate, up), dim=1), w2
 
 
 DEFAULT_MEMORY = 2 << 30
 
 
-def stream_memory(requested: int | None, num_experts: int, expert_bytes: int, dense_bytes: int) -> int:
+def stream_memory(requested: int | None, num_experts: int, per_expert: int) -> int:
     """Device bytes streaming takes: `requested` (--stream-experts-memory), else 2 GiB or what
-    groups of a whole layer need, if less (the ring's packed bytes and one unpacked group)."""
-    return requested if requested is not None else min(DEFAULT_MEMORY, num_experts * (SLOTS * expert_bytes + dense_bytes))
+    groups of a whole layer need, if less (`per_expert`: `unpacked_bytes_per_expert`)."""
+    return requested if requested is not None else min(DEFAULT_MEMORY, num_experts * per_expert)
 
 
 def stream_threshold(layer_bytes: int, h2d: float, pair_seconds: float, top_k: int) -> int:
@@ -153,8 +215,7 @@ class ExpertStreamer:
                              f"{', '.join(STREAMABLE_FORMATS)}); use --stream-experts off")
         self.layers, self.device, self.dtype, self.min_tokens = layers, device, dtype, min_tokens
         self.num_experts, self.expert_bytes = first.num_experts, first.bytes_per_expert
-        dense = 3 * self.hidden * self.inter * torch.empty((), dtype=dtype).element_size()
-        per_expert = SLOTS * self.expert_bytes + dense  # the ring's bytes and the unpacked group's
+        per_expert = unpacked_bytes_per_expert(self.expert_bytes, self.hidden, self.inter, dtype)
         if memory < per_expert:
             raise ValueError(f"--stream-experts-memory {memory / 2**20:.2f} MiB holds no group: the ring of {SLOTS} "
                              f"and the unpacked experts need {per_expert / 2**20:.2f} MiB per expert in a group")
@@ -175,9 +236,8 @@ class ExpertStreamer:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory the streaming takes: the ring and one unpacked group."""
-        dense = 3 * self.hidden * self.inter * torch.empty((), dtype=self.dtype).element_size()
-        return self.buffers.numel() + self.group * dense
+        """Device memory the streaming takes at most: the ring, and one unpacked group twice."""
+        return self.group * unpacked_bytes_per_expert(self.expert_bytes, self.hidden, self.inter, self.dtype)
 
     def describe(self) -> str:
         return (f"steps of >= {self.min_tokens} tokens stream the experts of {len(self.order)} layers over "
@@ -253,9 +313,9 @@ class ExpertStreamer:
                 main.wait_event(self.ready[slot])
             if end > start:
                 packed = self.buffers[slot, : (e1 - e0) * self.expert_bytes].view(e1 - e0, self.expert_bytes)
-                w13, w2 = unpack_experts(packed, self.fmt, self.hidden, self.inter)
+                w13, w2 = unpack_experts(packed, self.fmt, self.hidden, self.inter, self.dtype)
                 local = offs[e0:e1] - start
-                y[start:end] = expert_rows(x[start:end], w13.to(self.dtype), w2.to(self.dtype), local, limit)
+                y[start:end] = expert_rows(x[start:end], w13, w2, local, limit)
                 del w13, w2
             if main is not None:
                 self.free[slot] = torch.cuda.Event()
