@@ -93,9 +93,10 @@ def _add_offload_flags(p: argparse.ArgumentParser) -> None:
                         "int8, int4 and mxfp4 from a bf16 checkpoint are LOSSY conversions")
     p.add_argument("--cpu-memory", default=None, metavar="SIZE",
                    help="plan for a machine with this much RAM, e.g. 256GiB (default: this machine's available RAM)")
-    p.add_argument("--hot-experts", default=None, metavar="FILE",
+    p.add_argument("--hot-experts", default=None, metavar="FILE|online",
                    help="with experts in RAM, also keep the most-used ones on the GPU, as counted by "
-                        "`tandem profile-experts` into FILE (with --hot-expert-memory)")
+                        "`tandem profile-experts` into FILE, or online: learned from the routing served and swapped "
+                        "in between steps (with --hot-expert-memory)")
     p.add_argument("--hot-expert-memory", default=None, metavar="SIZE",
                    help="GPU memory for the hot experts, e.g. 4GiB")
     p.add_argument("--stream-experts", default="auto", choices=("auto", "on", "off"),

@@ -161,3 +161,60 @@ def test_on_cuda_the_split_runs_eagerly_and_in_a_graph(model_dir, counts_file) -
         assert bool(llm.engine.runner.graphs) != eager
         runs.append([o.token_ids for o in llm.generate(PROMPTS, GREEDY)])
     assert runs[0] == runs[1]
+
+
+def test_online_initial_set_splits_the_budget_evenly() -> None:
+    from tandem.offload.hot_online import initial_hot
+
+    assert initial_hot([0, 2, 5], 8, budget=7 * 10, bytes_per_expert=10) == ({0: (0, 1), 2: (0, 1), 5: (0, 1)}, 0.25)
+    assert initial_hot([0, 1], 8, budget=10, bytes_per_expert=10) == ({}, 0.0)  # not one expert per layer
+
+
+def test_online_hot_experts_follow_the_routing_and_keep_the_outputs() -> None:
+    """Skewed routing onto experts that are cold at the start: after a re-ranking they are hot (the
+    swap copied their weights), the hit rate rises, and every output equals the CPU kernel's."""
+    from tandem.models.layers.mlp import SwiGLUMLP
+    from tandem.offload.cpu_experts import CpuExpertLayer
+    from tandem.offload.hot_online import OnlineHotExperts
+
+    E, H, I, k = 8, 32, 16, 2
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(E, I, H, generator=g) * 0.2, torch.randn(E, I, H, generator=g) * 0.2,
+                      torch.randn(E, H, I, generator=g) * 0.2)
+    layer = CpuExpertLayer.from_dense(gate, up, down, "fp32")
+    hot_modules = torch.nn.ModuleList(SwiGLUMLP(H, I) for _ in range(2))
+    with torch.no_grad():
+        for slot, e in enumerate((0, 1)):  # the initial set: experts 0 and 1
+            hot_modules[slot].gate_proj.weight.copy_(gate[e])
+            hot_modules[slot].up_proj.weight.copy_(up[e])
+            hot_modules[slot].down_proj.weight.copy_(down[e])
+    ex = HotExpertsExecutor(layer, hot_modules, (0, 1), E)
+    online = OnlineHotExperts({0: ex}, {0: layer}, torch.float32, interval=4, max_swaps=8)
+
+    def step(rows: int) -> float:
+        x = torch.randn(rows, H, generator=g)
+        ids = torch.stack((torch.full((rows,), 5), torch.randint(6, 8, (rows,), generator=g)), dim=1)  # 5, then 6 or 7
+        w = torch.softmax(torch.randn(rows, k, generator=g), -1)
+        hits, pairs = int(ex.hits), int(ex.pairs)
+        torch.testing.assert_close(ex(x, ids, w), layer(x, ids, w), rtol=1e-5, atol=1e-6)
+        online.after_step()
+        return (int(ex.hits) - hits) / (int(ex.pairs) - pairs)
+
+    rates = [step(6) for _ in range(4)]  # the 4th step re-ranks and swaps
+    assert rates == [0.0] * 4 and online.swaps == 2
+    assert 5 in ex.hot_ids and len(set(ex.hot_ids)) == 2 and ex.local[5] >= 0 and ex.local[0] == ex.local[1] == -1
+    assert step(6) >= 0.5  # expert 5 is in every row's first slot
+    assert torch.equal(hot_modules[int(ex.local[5])].down_proj.weight, down[5])
+
+
+def test_online_hot_experts_through_the_engine(model_dir) -> None:
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True)
+    want = [o.token_ids for o in LLM(str(model_dir), **kw).generate(PROMPTS, GREEDY)]
+    per_expert = 3 * 64 * 32 * 4
+    llm = LLM(str(model_dir), hot_experts="online", hot_expert_memory=6 * per_expert, **kw)
+    online = llm.engine.model.cpu_experts.online
+    assert online is not None and all(len(ex.hot_ids) == 2 for ex in online.executors.values())  # 6 over 3 layers
+    online.interval = 4
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert online.steps >= 16 and online.swaps > 0  # real routing is not experts 0 and 1
+    assert "online" in llm.engine.model.cpu_experts.placement.hot_source

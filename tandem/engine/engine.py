@@ -105,6 +105,7 @@ class LLMEngine:
             )
         self.sampler = Sampler(self.device, mc.seed)
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+        self._hot_online = getattr(getattr(self.model, "cpu_experts", None), "online", None)  # --hot-experts online
         self.spec = self._load_spec() if config.spec.enabled else None
         groups = startup.cache_groups(self.model, config.cache.kv_cache_dtype)
         block_size = config.cache.block_size
@@ -343,6 +344,8 @@ class LLMEngine:
             outputs += self._postprocess(sched, results)
             if self.spec is not None and self.spec.auto is not None:
                 self._time_step(sched, time.perf_counter() - started)
+            if self._hot_online is not None:  # between steps: swaps whose copies are done, and re-ranking
+                self._hot_online.after_step()
         self._update_gauges()
         return outputs
 

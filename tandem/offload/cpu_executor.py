@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tandem.offload.hot_experts import HotExpertsExecutor
+from tandem.offload.hot_online import ONLINE, OnlineHotExperts
 from tandem.offload.streaming import ExpertStreamer, StreamingExecutor
 
 if TYPE_CHECKING:
@@ -159,6 +160,7 @@ class OffloadedExperts:
         self._templates: dict[int, nn.Module] = {}
         self._hot_weights: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.hot_executors: dict[int, HotExpertsExecutor] = {}
+        self.online: OnlineHotExperts | None = None  # --hot-experts online: the engine calls after_step
 
     def prepare(self, model: nn.Module) -> None:
         """On the meta model: detach the offloaded layers' experts (kept as shapes only)."""
@@ -218,6 +220,8 @@ class OffloadedExperts:
                                                                       device_executor)
             blocks[i].set_executor(executor)
         self._hot_weights.clear()
+        if self.offload is not None and self.offload.hot_experts == ONLINE and self.hot_executors:
+            self.online = OnlineHotExperts(self.hot_executors, {i: self.layers[i] for i in self.hot_executors}, dtype)
         self.streamer = self._streamer(blocks, device, dtype)
         if self.streamer is not None:
             for i, layer in self.layers.items():

@@ -11,6 +11,8 @@
   node wait on the main one, so both run at once; in a CUDA graph too (a captured fork and join).
   The sum is the same whichever side a pair takes, up to the executors' rounding (exact in fp32).
   It counts hits and pairs on the device for the hit rate in /metrics and the stats line.
+- Without a calibration file, `--hot-experts online` learns the hot set from the routing served
+  and swaps experts in between steps (hot_online.py).
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class HotExpertsExecutor:
     def __init__(self, cpu: MoEExecutor, hot_experts: nn.ModuleList, hot_ids: tuple[int, ...], num_experts: int,
                  device_executor: str = "torch") -> None:
         self.cpu = cpu
-        self.hot_ids = hot_ids
+        self.hot_ids = hot_ids  # slot -> expert (online hot experts swap them: hot_online.py)
+        self.hot_experts = hot_experts
         device = next(hot_experts.parameters()).device
         self.local = torch.full((num_experts,), -1, dtype=torch.int64, device=device)  # expert -> hot slot, or -1
         self.local[torch.tensor(hot_ids, device=device)] = torch.arange(len(hot_ids), device=device)
@@ -99,12 +102,16 @@ class HotExpertsExecutor:
         self.hits = torch.zeros((), dtype=torch.int64, device=device)  # pairs served by hot experts
         self.pairs = torch.zeros((), dtype=torch.int64, device=device)
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.counts: torch.Tensor | None = None  # [E] float32 pairs per expert, when online (hot_online.py)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         slot = self.local[topk_ids]  # [T, k]
         hot = slot >= 0
         self.hits += hot.sum()
         self.pairs += hot.numel()
+        if self.counts is not None:  # a fixed-shape add: captured graphs count too
+            flat = topk_ids.reshape(-1)
+            self.counts.index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
         # Each side sees the other's pairs with weight 0 (the device; its slot 0 stands in) or id -1
         # (the CPU kernel skips them).
         device_ids, device_w = slot.clamp(min=0), topk_weights.masked_fill(~hot, 0)

@@ -23,6 +23,8 @@ import torch
 from tandem.config import OffloadConfig
 from tandem.models.loader import LAYER_INDEX
 from tandem.offload.hot_experts import ExpertCounts, choose_hot
+from tandem.offload.hot_online import INTERVAL as ONLINE_INTERVAL
+from tandem.offload.hot_online import ONLINE, initial_hot
 from tandem.offload.streaming import STREAMABLE_FORMATS, stream_memory, unpacked_bytes_per_expert
 
 GiB = 1024**3
@@ -246,10 +248,16 @@ def plan_placement(
                                          "--stream-experts-memory or use --stream-experts off",))
         if offload.hot_experts is None or not p.cpu_layers:
             return p
-        counts = ExpertCounts.load(offload.hot_experts, num_experts, set(blocks))
         assert offload.hot_expert_memory is not None  # OffloadConfig checks they come together
-        hot, rate = choose_hot(counts, list(p.cpu_layers), offload.hot_expert_memory, 3 * hidden * inter * elem)
-        p = replace(p, hot=tuple(hot.items()), hot_hit_rate=rate, hot_source=f"--hot-experts {offload.hot_experts}")
+        if offload.hot_experts == ONLINE:
+            hot, rate = initial_hot(list(p.cpu_layers), num_experts, offload.hot_expert_memory, 3 * hidden * inter * elem)
+            source = (f"--hot-experts online: re-ranked every {ONLINE_INTERVAL} steps from the routing served, "
+                      "starting from each layer's first experts; the rate is uniform routing's")
+        else:
+            counts = ExpertCounts.load(offload.hot_experts, num_experts, set(blocks))
+            hot, rate = choose_hot(counts, list(p.cpu_layers), offload.hot_expert_memory, 3 * hidden * inter * elem)
+            source = f"--hot-experts {offload.hot_experts}"
+        p = replace(p, hot=tuple(hot.items()), hot_hit_rate=rate, hot_source=source)
         if gpu_budget is not None and not p.problems and gpu_need(cpu) + p.hot_bytes + p.stream_bytes > gpu_budget:
             short = (gpu_need(cpu) + p.hot_bytes + p.stream_bytes - gpu_budget) / GiB
             p = replace(p, problems=(f"the hot experts ({p.hot_bytes / GiB:.2f} GiB) do not fit beside the rest of the "
