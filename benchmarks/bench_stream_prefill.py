@@ -4,7 +4,7 @@
 
 The model is DeepSeek-V4-Flash's expert shape (4096 hidden, 256 experts top-6 of 2048) on the
 Qwen3-MoE architecture, `--layers` of them, random bf16 weights, every expert in RAM as bf16 (about
-12.9 GB a layer). Reported: the cost model's threshold and what it was built from (PCIe and the
+12.9 GB a layer) or as `--fmt` (mxfp4: 3.4 GB a layer). Reported: the cost model's threshold and what it was built from (PCIe and the
 CPU kernel timed at start-up), prefill tok/s at each length with streaming, the bytes streamed and
 the copy stream's bandwidth against the measured host-to-device limit, and the CPU-only prefill at
 `--cpu-lengths`. Prompts are chunked at `--chunk` tokens (the scheduler's max_num_batched_tokens):
@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--cpu-lengths", default="2048", help="prompt lengths prefilled on the CPU experts too")
     ap.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens: the prefill chunk")
     ap.add_argument("--reps", type=int, default=2, help="prefills per length (the best counts; the first warms up)")
+    ap.add_argument("--fmt", default="auto", help="--cpu-moe-dtype of the experts in RAM (mxfp4: V4-Flash's own format, "
+                                                  "a lossy conversion of the random bf16 weights here)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -71,9 +73,9 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     cpu_lengths = [int(x) for x in args.cpu_lengths.split(",") if x]
     # On CUDA the threshold is the cost model's; a CPU smoke run streams through memory from 1 token.
-    offload = OffloadConfig(cpu_moe=True, cpu_moe_threads=args.threads,
+    offload = OffloadConfig(cpu_moe=True, cpu_moe_threads=args.threads, cpu_moe_dtype=args.fmt,
                             stream_experts="auto" if args.device == "cuda" else "on")
-    results: dict = {"shape": args.shape, "layers": args.layers, "chunk": args.chunk, "runs": []}
+    results: dict = {"shape": args.shape, "layers": args.layers, "chunk": args.chunk, "fmt": args.fmt, "runs": []}
     with model_dir(cfg) as path:
         model, sink, _ = build(cfg, path, args.device, dtype, offload, args.threads, args.chunk)
         streamer = sink.streamer

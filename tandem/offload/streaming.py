@@ -16,7 +16,7 @@ boundaries too (layer i's call queues the first groups of layer i + 1). A copy w
 for the compute that last read its slot (an event), never on the host. Each group is unpacked on
 the GPU into dense `w13 [G, 2I, H]`, `w2 [G, H, I]` in the run's dtype (fp32 and bf16 tiles are a
 permutation of the stored values; int8, int4 and mxfp4 are decoded to the float32 values the CPU
-kernel computes with, then cast) and its rows run through `expert_rows`, the grouped executor's
+kernel computes with, then cast: in one Triton pass on CUDA) and its rows run through `expert_rows`, the grouped executor's
 math (tandem/kernels/moe_grouped.py). The result equals the CPU kernel's to rounding, and exactly
 in fp32 up to summation order.
 
@@ -108,11 +108,16 @@ def unpack_experts(packed: torch.Tensor, fmt: str, hidden: int, inter: int, dtyp
     """G experts in the CPU kernel's packed layout (uint8 [G, bytes per expert], any device) ->
     (w13 [G, 2I, H]: gate rows then up rows, w2 [G, H, I]) on that device, in `dtype` (default:
     fp32 and bf16 as stored; the quantized formats dequantized to float32, the values the CPU
-    kernel computes with). Quantized experts are decoded one at a time, so the float32
+    kernel computes with). On CUDA quantized experts are decoded by one Triton kernel
+    (tandem/kernels/expert_unpack.py); elsewhere one at a time in torch, so the float32
     temporaries are one expert's."""
     if fmt not in STREAMABLE_FORMATS:
         raise ValueError(f"experts packed as {fmt} cannot be unpacked on the device (streamable: "
                          f"{', '.join(STREAMABLE_FORMATS)})")
+    if fmt in _QUANTIZED and packed.is_cuda:  # one pass in Triton, straight to the run dtype
+        from tandem.kernels.expert_unpack import unpack_quantized
+
+        return unpack_quantized(packed.contiguous(), fmt, hidden, inter, dtype or torch.float32)
     if fmt in _QUANTIZED and packed.shape[0] > 1:
         g, out = packed.shape[0], dtype or torch.float32
         w13 = torch.empty(g, 2 * inter, hidden, dtype=out, device=packed.device)
