@@ -102,9 +102,11 @@ def test_engine_streams_long_steps_and_gives_the_cpu_paths_tokens(tmp_path, capl
     assert "Expert streaming: steps of >= 8 tokens stream" in caplog.text
     streamer = llm.engine.model.cpu_experts.streamer
     assert streamer is not None and streamer.groups_per_layer > 1  # several copies a layer
-    got = [o.token_ids for o in llm.generate(prompts, params)]
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert streamer.stats().layers == 3  # the prompt's one prefill step streamed its 3 layers; decode did not
+    assert caplog.text.count("routed experts streamed over PCIe (3 layers") == 1  # the log names the path
 
 
 def test_auto_streams_nothing_on_a_cpu_run_and_off_is_off(tmp_path) -> None:

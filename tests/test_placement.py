@@ -30,6 +30,8 @@ def meta_model():
 
 
 def place(model, budget, **flags):
+    """The placement, with expert streaming off unless asked for (its buffers are tested on their own)."""
+    flags.setdefault("stream_experts", "off")
     return plan_placement(model, torch.bfloat16, OffloadConfig(**flags), budget, kv_min_bytes=64 << 20)
 
 
@@ -47,6 +49,30 @@ def test_automatic_offload_keeps_whole_layers_while_they_fit(meta_model):
     assert "3 whole MoE layers kept on the GPU (auto: 0-2)" in p.reason
     assert p.gpu_bytes + (64 << 20) <= budget < p.gpu_bytes + (64 << 20) + LAYER_EXPERTS
     assert p.cpu_bytes == 5 * expert_bytes("bf16", 1024, 512) * 64 == 5 * LAYER_EXPERTS
+
+
+def test_the_expert_streaming_buffers_are_planned_with_the_experts_in_ram(meta_model):
+    fixed = place(meta_model, 8 * GiB).gpu_bytes - 8 * LAYER_EXPERTS + (64 << 20)
+    budget = fixed + 3 * LAYER_EXPERTS + LAYER_EXPERTS // 2
+    expert = LAYER_EXPERTS // 64  # 3 MiB in bf16, in RAM as on the GPU
+    # A layer's 64 experts want 64 x (3 ring slots + 2 unpacked) x 3 MiB = 960 MiB (< the 2 GiB
+    # default), planned before whole layers are kept: with room for 6.5 layers of experts, 5 of them
+    # go to the buffers and one layer stays.
+    roomy = place(meta_model, fixed + 6 * LAYER_EXPERTS + LAYER_EXPERTS // 2, stream_experts="auto")
+    assert roomy.stream_bytes == 64 * 5 * expert and roomy.gpu_moe_layers == (0,) and not roomy.problems
+    assert "(streaming)" in "\n".join(roomy.render())
+    # Room for 3.5 layers: the default buffers do not fit beside every expert in RAM, so streaming
+    # gets one expert a copy and the three layers still stay.
+    p = place(meta_model, budget, stream_experts="auto")
+    assert p.stream_bytes == 5 * expert and p.gpu_moe_layers == (0, 1, 2) and not p.problems
+    assert "expert streaming gets" in p.reason
+    assert place(meta_model, fixed + 5 * expert - 1, stream_experts="auto").stream_bytes == 0  # no room at all
+    small = place(meta_model, budget, stream_experts="auto", stream_experts_memory=64 << 20)
+    assert small.stream_bytes == 64 << 20 and small.gpu_moe_layers == (0, 1, 2)
+    assert place(meta_model, 8 * GiB, stream_experts="auto").stream_bytes == 0  # nothing in RAM: no buffers
+    forced = place(meta_model, fixed + 2 * LAYER_EXPERTS, cpu_moe=True, stream_experts="auto",
+                   stream_experts_memory=4 * GiB)
+    assert "expert-streaming buffers: lower --stream-experts-memory" in forced.problems[0]
 
 
 def test_cpu_moe_puts_every_layer_in_ram_but_the_resident_ones(meta_model):

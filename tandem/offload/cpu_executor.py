@@ -245,6 +245,10 @@ class OffloadedExperts:
             return None
         if device.type != "cuda" and cfg.stream_experts == "auto":
             return None  # a CPU run: there is no PCIe to stream over
+        if device.type == "cuda" and not self.placement.stream_bytes:
+            logger.info("Expert streaming off: the memory plan left no GPU memory for its buffers (%s)",
+                        self.placement.reason)
+            return None
         from tandem.kernels.moe_grouped import check_grouped_support
 
         layer = next(iter(self.layers.values()))
@@ -263,7 +267,7 @@ class OffloadedExperts:
         per_expert = streaming.unpacked_bytes_per_expert(layer.bytes_per_expert, layer.hidden_size,
                                                          layer.intermediate_size, dtype)
         memory = self.placement.stream_bytes or streaming.stream_memory(cfg.stream_experts_memory, layer.num_experts,
-                                                                        per_expert)
+                                                                        per_expert)  # a CPU run plans no GPU
         streamer = streaming.ExpertStreamer(self.layers, device, dtype, memory, min_tokens)
         logger.info("Expert streaming: %s", streamer.describe())
         return streamer

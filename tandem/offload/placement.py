@@ -223,9 +223,16 @@ def plan_placement(
     hidden, inter = tuple(first.experts[0].down_proj.weight.shape) if first is not None else (0, 0)
     per_cpu = expert_bytes(fmt, hidden, inter) if first is not None else 0
     fixed = outside + sum(other.values()) + kv_min_bytes
+    # Expert streaming's device buffers (streaming.py), planned whenever experts go to RAM. Its
+    # groups run through torch._grouped_mm, bf16 on the GPU (cpu_executor.py's _streamer).
+    streams = (gpu_budget is not None and first is not None and offload.stream_experts != "off"
+               and fmt in STREAMABLE_FORMATS and dtype == torch.bfloat16)
+    stream_reserve = stream_memory(offload.stream_experts_memory, num_experts,
+                                   unpacked_bytes_per_expert(per_cpu, hidden, inter, dtype)) if streams else 0
+    stream_note = ""
 
     def gpu_need(cpu: set[int]) -> int:
-        return fixed + sum(n for i, n in experts.items() if i not in cpu)
+        return fixed + sum(n for i, n in experts.items() if i not in cpu) + (stream_reserve if cpu & set(blocks) else 0)
 
     def placement(cpu: set[int], reason: str, problems: tuple[str, ...] = ()) -> Placement:
         layers = []
@@ -235,17 +242,13 @@ def plan_placement(
             ram = blocks[i].num_experts * per_cpu if on_cpu else 0
             layers.append(LayerPlacement(i, i in blocks, ("cpu" if on_cpu else "gpu") if i in blocks else None, gpu, ram,
                                          experts.get(i, 0)))
-        p = Placement(tuple(layers), fmt, reason, outside, num_experts, top_k, hidden, inter, elem, problems)
-        # Streamed groups run through torch._grouped_mm, bf16 on the GPU (cpu_executor.py's _streamer).
-        streams = offload.stream_experts != "off" and fmt in STREAMABLE_FORMATS and dtype == torch.bfloat16
-        if gpu_budget is not None and p.cpu_layers and streams:
-            p = replace(p, stream_bytes=stream_memory(offload.stream_experts_memory, num_experts,
-                                                      unpacked_bytes_per_expert(per_cpu, hidden, inter, dtype)))
-            if not problems and gpu_need(cpu) + p.stream_bytes > gpu_budget:
-                short = (gpu_need(cpu) + p.stream_bytes - gpu_budget) / GiB
-                p = replace(p, problems=(f"the expert-streaming buffers ({p.stream_bytes / GiB:.2f} GiB) do not fit "
-                                         f"beside the rest of the GPU part ({short:.2f} GiB short); lower "
-                                         "--stream-experts-memory or use --stream-experts off",))
+        if stream_reserve and any(i in blocks for i in cpu):
+            if problems:  # the shortfall counts the streaming buffers: say so, and how to shrink them
+                problems = (problems[0] + f" (the GPU part includes {stream_reserve / GiB:.2f} GiB of expert-streaming "
+                            "buffers: lower --stream-experts-memory or use --stream-experts off)", *problems[1:])
+        in_ram = any(i in blocks for i in cpu)
+        p = Placement(tuple(layers), fmt, reason + (stream_note if in_ram else ""), outside, num_experts, top_k,
+                      hidden, inter, elem, problems, stream_bytes=stream_reserve if in_ram else 0)
         if offload.hot_experts is None or not p.cpu_layers:
             return p
         assert offload.hot_expert_memory is not None  # OffloadConfig checks they come together
@@ -258,8 +261,8 @@ def plan_placement(
             hot, rate = choose_hot(counts, list(p.cpu_layers), offload.hot_expert_memory, 3 * hidden * inter * elem)
             source = f"--hot-experts {offload.hot_experts}"
         p = replace(p, hot=tuple(hot.items()), hot_hit_rate=rate, hot_source=source)
-        if gpu_budget is not None and not p.problems and gpu_need(cpu) + p.hot_bytes + p.stream_bytes > gpu_budget:
-            short = (gpu_need(cpu) + p.hot_bytes + p.stream_bytes - gpu_budget) / GiB
+        if gpu_budget is not None and not p.problems and gpu_need(cpu) + p.hot_bytes > gpu_budget:
+            short = (gpu_need(cpu) + p.hot_bytes - gpu_budget) / GiB
             p = replace(p, problems=(f"the hot experts ({p.hot_bytes / GiB:.2f} GiB) do not fit beside the rest of the "
                                      f"GPU part ({short:.2f} GiB short); lower --hot-expert-memory",))
         return p
@@ -283,6 +286,14 @@ def plan_placement(
             return placement(cpu, f"CPU run, --n-cpu-moe {offload.n_cpu_moe}: those layers on the CPU expert kernel")
         return placement(set(), "CPU run: routed experts run by the torch executor (--cpu-moe for the CPU kernel)")
 
+    if stream_reserve and offload.stream_experts == "auto" and offload.stream_experts_memory is None:
+        # Streaming is an optimisation: with no room for its default buffers beside every expert in
+        # RAM, it gets one expert a group, or none; the model is served either way.
+        smallest = unpacked_bytes_per_expert(per_cpu, hidden, inter, dtype)
+        if gpu_need(set(blocks)) > gpu_budget:
+            stream_reserve = smallest if gpu_need(set(blocks)) - stream_reserve + smallest <= gpu_budget else 0
+            stream_note = (f"; expert streaming gets {stream_reserve / GiB:.2f} GiB (one expert a copy)" if stream_reserve
+                           else "; expert streaming off: no GPU memory left for its buffers")
     if offload.n_cpu_moe is not None:
         cpu = {i for i in blocks if i < offload.n_cpu_moe}
         reason = f"--n-cpu-moe {offload.n_cpu_moe}: routed experts of layers 0..{offload.n_cpu_moe - 1} in RAM"

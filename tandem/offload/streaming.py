@@ -339,6 +339,14 @@ class StreamingExecutor:
         self.inner, self.streamer, self.layer, self.limit = inner, streamer, layer, limit
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.streamer.wants(hidden.shape[0]):
+        rows, streams = hidden.shape[0], self.streamer.wants(hidden.shape[0])
+        if self.layer == self.streamer.order[0] and rows > 1:  # once a step: which path it takes
+            if streams:
+                logger.info("Step of %d tokens: routed experts streamed over PCIe (%d layers, %.1f GB)", rows,
+                            len(self.streamer.order), sum(x.nbytes for x in self.streamer.layers.values()) / 1e9)
+            elif not (self.streamer.cuda and torch.cuda.is_current_stream_capturing()):
+                logger.debug("Step of %d tokens: routed experts on the CPU (streaming from %d)", rows,
+                             self.streamer.min_tokens)
+        if streams:
             return self.streamer.run(self.layer, hidden, topk_ids, topk_weights, self.limit)
         return self.inner(hidden, topk_ids, topk_weights)
