@@ -291,8 +291,8 @@ class OffloadConfig:
     hot_experts: str | None = None
     hot_expert_memory: int | None = None
     # PCIe streaming for long prefill steps (tandem/offload/streaming.py): "auto" streams on CUDA
-    # when the format allows, from the cost model's threshold; "on" also on a CPU run (the same
-    # math there: for checking) and refuses a format that cannot stream; "off" never.
+    # (bf16 on sm90+, where the grouped executor runs) from the cost model's threshold; "on" also
+    # on a CPU run (the same math there: for checking) and refuses where it cannot run; "off" never.
     stream_experts: str = "auto"
     stream_experts_min_tokens: int | None = None  # overrides the cost model's threshold
     stream_experts_memory: int | None = None  # device bytes of the ring and one unpacked group (None: auto)

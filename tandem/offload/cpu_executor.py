@@ -245,10 +245,6 @@ class OffloadedExperts:
             return None
         if device.type != "cuda" and cfg.stream_experts == "auto":
             return None  # a CPU run: there is no PCIe to stream over
-        if device.type == "cuda" and not self.placement.stream_bytes:
-            logger.info("Expert streaming off: the memory plan left no GPU memory for its buffers (%s)",
-                        self.placement.reason)
-            return None
         from tandem.kernels.moe_grouped import check_grouped_support
 
         layer = next(iter(self.layers.values()))
@@ -258,6 +254,13 @@ class OffloadedExperts:
             if cfg.stream_experts == "on":
                 raise ValueError(f"--stream-experts on: {e}") from e
             logger.info("Expert streaming off (long prefill steps run on the CPU experts): %s", e)
+            return None
+        if device.type == "cuda" and not self.placement.stream_bytes:
+            if cfg.stream_experts == "on":
+                raise ValueError("--stream-experts on: the memory plan has no GPU memory for its buffers "
+                                 f"({self.placement.reason}); give --stream-experts-memory or use a bigger budget")
+            logger.info("Expert streaming off: the memory plan left no GPU memory for its buffers (%s)",
+                        self.placement.reason)
             return None
         min_tokens = cfg.stream_experts_min_tokens
         if min_tokens is None and device.type != "cuda":
