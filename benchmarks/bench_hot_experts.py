@@ -16,8 +16,9 @@ replaced by draws from a recorded distribution:
   * the calibration file the planner picks hot experts from is drawn the same way with seed 1 (so
     the cache is chosen from a sample, not from the rows the run will read).
 
-Both runs in one process on the same weights: no cache, then `--hot-gib` of hot experts; decode
-tok/s at each batch, and the hit rate measured against the one the planner predicted.
+Both runs in one process on the same weights: no cache, then `--hot-gib` of hot experts (from the
+calibration draw, or learned online with `--online`); decode tok/s at each batch, and the hit rate
+measured (over each decode run, and since start) against the one the planner predicted.
 
     python benchmarks/bench_hot_experts.py --layers 8 --hot-gib 8 --out hot.json     # V4-Flash expert shape
     python benchmarks/bench_hot_experts.py --shape tiny --device cpu --hot-gib 0.0002 --batches 1,2   # smoke
@@ -120,6 +121,10 @@ def main() -> None:
     ap.add_argument("--hot-gib", type=float, default=8.0, help="--hot-expert-memory of the cached run")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--hot-first", action="store_true", help="run the cached configuration before the uncached one")
+    ap.add_argument("--online", action="store_true",
+                    help="the cached run learns its hot set online (--hot-experts online) instead of from the "
+                         "calibration draw; it decodes --online-warmup tokens first")
+    ap.add_argument("--online-warmup", type=int, default=512)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = dict(SHAPES[args.shape], num_hidden_layers=args.layers)
@@ -136,22 +141,30 @@ def main() -> None:
         ExpertCounts("bench", ROWS, {i: tuple(torch.bincount(t.flatten(), minlength=cfg["num_experts"]).tolist())
                                      for i, t in calib.items()}).save(counts_file)
         for hot in (args.hot_gib, 0.0) if args.hot_first else (0.0, args.hot_gib):
+            source = "online" if args.online else str(counts_file)
             offload = OffloadConfig(cpu_moe=True, cpu_moe_threads=args.threads, stream_experts="off",
-                                    **({"hot_experts": str(counts_file), "hot_expert_memory": int(hot * 2**30)}
-                                       if hot else {}))
+                                    **({"hot_experts": source, "hot_expert_memory": int(hot * 2**30)} if hot else {}))
             model, sink, placement = build(cfg, path, args.device, dtype, offload, args.threads,
                                            max(batches) * 2 + 512)
             for i, block in model.moe_blocks().items():
                 block.set_executor(TableRouting(block.executor, table[i].to(args.device)))
-            engine = make_engine(path, model, args.device, dtype, 1 << 30, max(batches), args.prompt + args.new_tokens + 64)
-            run = {"hot_gib": hot, "hot_experts": sum(len(e) for _, e in placement.hot),
+            longest = max(args.new_tokens, args.online_warmup if args.online else 0)
+            engine = make_engine(path, model, args.device, dtype, 1 << 30, max(batches), args.prompt + longest + 64)
+            run = {"hot_gib": hot, "hot_experts": sum(len(e) for _, e in placement.hot), "source": source if hot else "",
                    "predicted_hit_rate": placement.hot_hit_rate, "decode": []}
+            if hot and sink.online is not None:  # let it learn the routing first
+                run_decode(engine, 1, args.prompt, args.online_warmup, seed=99)
+                run["online_swaps_in_warmup"] = sink.online.swaps
             for b in batches:
                 run_decode(engine, b, args.prompt, 4, seed=100 + b)  # warm-up
+                before = [(int(ex.hits), int(ex.pairs)) for ex in sink.hot_executors.values()]
                 r = run_decode(engine, b, args.prompt, args.new_tokens, seed=b)
+                after = [(int(ex.hits), int(ex.pairs)) for ex in sink.hot_executors.values()]
+                pairs = sum(a[1] - b0[1] for a, b0 in zip(after, before))
+                r["hit_rate"] = sum(a[0] - b0[0] for a, b0 in zip(after, before)) / pairs if pairs else 0.0
                 run["decode"].append(r)
                 print(f"hot {hot:g} GiB, batch {b}: {r['decode_tok_s']:.2f} tok/s ({r['graph_steps']}/{r['steps']} "
-                      "in graphs)", flush=True)
+                      f"in graphs), hit rate {100 * r['hit_rate']:.1f}% in this run", flush=True)
             rates = sink.hot_hit_rates()
             run["measured_hit_rate"] = sum(rates.values()) / len(rates) if rates else 0.0
             print(f"hot {hot:g} GiB: {run['hot_experts']} hot experts, hit rate predicted "
