@@ -262,17 +262,24 @@ class OffloadedExperts:
             logger.info("Expert streaming off: the memory plan left no GPU memory for its buffers (%s)",
                         self.placement.reason)
             return None
-        min_tokens = cfg.stream_experts_min_tokens
+        min_tokens, h2d = cfg.stream_experts_min_tokens, None
         if min_tokens is None and device.type != "cuda":
             min_tokens = 1
         if min_tokens is None:
-            min_tokens = streaming.measured_threshold(layer, blocks[min(self.layers)].top_k, device)
+            min_tokens, h2d = streaming.measured_threshold(layer, blocks[min(self.layers)].top_k, device)
         per_expert = streaming.unpacked_bytes_per_expert(layer.bytes_per_expert, layer.hidden_size,
                                                          layer.intermediate_size, dtype)
         memory = self.placement.stream_bytes or streaming.stream_memory(cfg.stream_experts_memory, layer.num_experts,
                                                                         per_expert)  # a CPU run plans no GPU
         streamer = streaming.ExpertStreamer(self.layers, device, dtype, memory, min_tokens)
         logger.info("Expert streaming: %s", streamer.describe())
+        if h2d:  # what the chunk size means for a long prompt: every chunk pays one pass of the experts
+            total = sum(x.nbytes for x in self.layers.values())
+            chunk = self.staging_rows
+            logger.info("Expert streaming: a streamed step copies %.1f GB (%.2f s at %.1f GB/s), so prefill in chunks of "
+                        "%d tokens (--max-num-batched-tokens) runs at most ~%.0f tok/s; chunks of %d would give ~%.0f",
+                        total / 1e9, total / h2d, h2d / 1e9, chunk, chunk * h2d / total, 8 * chunk,
+                        8 * chunk * h2d / total)
         return streamer
 
     def _hot_expert(self, layer: int, expert: int, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -180,9 +180,9 @@ def measure_pair_seconds(layer: CpuExpertLayer, top_k: int, tokens: int = 512, r
     return best / (tokens * top_k)
 
 
-def measured_threshold(layer: CpuExpertLayer, top_k: int, device: torch.device) -> int:
-    """`stream_threshold` from this machine: PCIe host-to-device and the CPU kernel on `layer`,
-    timed now (a second or so) and logged."""
+def measured_threshold(layer: CpuExpertLayer, top_k: int, device: torch.device) -> tuple[int, float]:
+    """`stream_threshold` from this machine, and the PCIe host-to-device bytes/s it used: PCIe and
+    the CPU kernel on `layer`, timed now (a second or so) and logged."""
     from tandem.offload.measure import h2d_bandwidth
 
     h2d = h2d_bandwidth(device)
@@ -191,7 +191,7 @@ def measured_threshold(layer: CpuExpertLayer, top_k: int, device: torch.device) 
     logger.info("Expert streaming cost model: PCIe host->device %.1f GB/s, CPU experts %.1f us per (token, expert) "
                 "pair, %.2f GB of experts a layer -> steps of >= %d tokens stream (--stream-experts-min-tokens "
                 "overrides)", h2d / 1e9, pair * 1e6, layer.nbytes / 1e9, tokens)
-    return tokens
+    return tokens, h2d
 
 
 @dataclass(frozen=True)
