@@ -218,3 +218,25 @@ def test_online_hot_experts_through_the_engine(model_dir) -> None:
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
     assert online.steps >= 16 and online.swaps > 0  # real routing is not experts 0 and 1
     assert "online" in llm.engine.model.cpu_experts.placement.hot_source
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_online_swaps_land_between_steps_and_keep_the_tokens(model_dir) -> None:
+    """Online hot experts on CUDA: swaps copied on a side stream land at step boundaries. fp32
+    (eager): the all-CPU run's tokens; bf16 in decode graphs (the counting and the swapped weights
+    live in the captured buffers): the eager bf16 run's tokens."""
+    kw = dict(device="cuda", kv_cache_memory="64MiB", cpu_moe=True, hot_experts="online", hot_expert_memory="1MiB")
+    want = [o.token_ids for o in LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_memory="64MiB",
+                                     cpu_moe=True).generate(PROMPTS, GREEDY)]
+    llm = LLM(str(model_dir), dtype="float32", **kw)
+    llm.engine.model.cpu_experts.online.interval = 4
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert llm.engine.model.cpu_experts.online.swaps > 0
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=eager, **kw)
+        llm.engine.model.cpu_experts.online.interval = 4
+        runs.append([o.token_ids for o in llm.generate(PROMPTS, GREEDY)])
+        assert llm.engine.model.cpu_experts.online.swaps > 0 and bool(llm.engine.runner.graphs) != eager
+    assert runs[0] == runs[1]
