@@ -156,6 +156,23 @@ def test_plan_prints_the_per_layer_table_and_checks_ram(tmp_path, capsys):
     assert plan.weights["routed experts in RAM (bf16)"] == 8 * LAYER_EXPERTS and "routed experts" not in plan.weights
 
 
+def test_measured_plan_predicts_decode_and_streamed_prefill(tmp_path):
+    from tandem.offload.measure import MachineConstants
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    machine = MachineConstants(ram_read=100e9, gpu_read=3e12, h2d=50e9, roundtrip=20e-6)
+    plan = plan_memory(cfg, torch.bfloat16, "cuda", device_bytes=4 * GiB, offload=OffloadConfig(cpu_moe=True),
+                       machine=machine, max_num_batched_tokens=4096)
+    text = plan.render()
+    assert "predicted decode, batch 1:" in text and "(streaming)" in text
+    seconds = 8 * LAYER_EXPERTS / 50e9  # every expert over PCIe once a chunk
+    assert f"at most {4096 / seconds:7.0f} tok/s in chunks of 4096 tokens" in text
+    off = plan_memory(cfg, torch.bfloat16, "cuda", device_bytes=4 * GiB, machine=machine,
+                      offload=OffloadConfig(cpu_moe=True, stream_experts="off"))
+    assert "expert streaming" not in off.render()
+
+
 def test_a_drafter_takes_its_share_of_the_gpu():
     from tandem.builtin import DEMO_DIR
     from tandem.config import SpecConfig

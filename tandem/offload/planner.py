@@ -95,6 +95,7 @@ class MemoryPlan:
     # load with. The others (the KV estimate) it settles by profiling.
     offload_problems: tuple[str, ...] = ()
     kv_groups: tuple[str, ...] = ()  # per cache group, for models beyond full attention (DeepSeek-V4)
+    chunk_tokens: int = 2048  # --max-num-batched-tokens: a prefill chunk (a streamed one copies every expert)
 
     @property
     def weights_total(self) -> int:
@@ -140,6 +141,12 @@ class MemoryPlan:
             step = predict_decode_seconds(p, batch, m.ram_read, m.gpu_read, m.roundtrip)
             lines.append(f"  predicted decode, batch {batch}: {batch / step:7.1f} tok/s ({step * 1e3:.2f} ms a step: "
                          f"{gpu / GiB:.2f} GiB GPU weights, {cpu / GiB:.2f} GiB experts from RAM per step)")
+        if p.stream_bytes and p.cpu_bytes:  # a streamed chunk is bound by one pass of the experts over PCIe
+            seconds = p.cpu_bytes / m.h2d
+            lines.append(f"  predicted prefill with expert streaming: at most {self.chunk_tokens / seconds:7.0f} tok/s "
+                         f"in chunks of {self.chunk_tokens} tokens (each copies {p.cpu_bytes / GiB:.2f} GiB of experts, "
+                         f"{seconds:.2f} s); {8 * self.chunk_tokens / seconds:.0f} tok/s in chunks of "
+                         f"{8 * self.chunk_tokens} (--max-num-batched-tokens)")
         return lines
 
 
@@ -247,7 +254,8 @@ def plan_memory(
         problems += offload_problems[len(placement.problems):]
     return MemoryPlan(path, model_type, dtype, device, weights, kv_per_token, max_len,
                       max_num_seqs, device_bytes, activation, budget, kv_tokens, problems, config_only,
-                      placement, machine, tuple(offload_problems), _group_lines(groups, block_size, max_len))
+                      placement, machine, tuple(offload_problems), _group_lines(groups, block_size, max_len),
+                      max_num_batched_tokens)
 
 
 def gpu_weight_bytes(weights: dict[str, int]) -> int:
