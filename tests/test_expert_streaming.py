@@ -107,6 +107,12 @@ def test_engine_streams_long_steps_and_gives_the_cpu_paths_tokens(tmp_path, capl
     assert got == want
     assert streamer.stats().layers == 3  # the prompt's one prefill step streamed its 3 layers; decode did not
     assert caplog.text.count("routed experts streamed over PCIe (3 layers") == 1  # the log names the path
+    copied = streamer.stats().bytes
+    assert f"Expert streaming: 3 layer calls, {copied / 1e9:.2f} GB" in llm.engine.stats_line()
+    assert streamer.stats().layers == 0 and "Expert streaming" not in llm.engine.stats_line()  # a new window
+    from prometheus_client import generate_latest
+
+    assert "tandem:expert_stream_bytes_total{model_name=" in generate_latest(llm.engine.metrics.registry).decode()
 
 
 def test_auto_streams_nothing_on_a_cpu_run_and_off_is_off(tmp_path) -> None:

@@ -38,6 +38,10 @@ class EngineMetrics:
         self.hot_expert_hit_rate = Gauge("tandem:hot_expert_hit_rate",
                                          "Share of a layer's (token, expert) pairs its hot experts on the GPU served, "
                                          "since start (updated with the stats line).", labels + ["layer"], registry=r)
+        self.expert_stream_bytes = Counter("tandem:expert_stream_bytes", "Routed-expert bytes copied over PCIe for "
+                                           "streamed prefill steps (updated with the stats line).", labels, registry=r)
+        self.expert_stream_seconds = Counter("tandem:expert_stream_seconds", "Seconds the copy stream spent on them, "
+                                             "first copy to last of each stats window.", labels, registry=r)
         # Speculative decoding, vLLM's names; each also labelled with the request's phase.
         spec = labels + ["phase"]
         self.spec_drafts = Counter("tandem:spec_decode_num_drafts", "Drafts verified.", spec, registry=r)
