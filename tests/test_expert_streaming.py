@@ -163,3 +163,21 @@ def test_on_cuda_the_ring_streams_over_pcie_and_gives_the_cpu_experts_results() 
             torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
     stats = s.stats()
     assert stats.layers == 6 and stats.bytes == 2 * 3 * E * layers[0].bytes_per_expert and stats.seconds > 0
+
+
+def test_deepseek_v4_streams_with_its_swiglu_clamp(tmp_path) -> None:
+    """V4's experts clamp their SwiGLU (and its first layers route by token id): streamed prefill
+    steps give the CPU kernel's tokens."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from test_deepseek_v4_engine import GREEDY as V4_GREEDY
+    from test_deepseek_v4_engine import prompts, save_v4
+
+    save_v4(tmp_path, "hash")
+    ps = prompts((17, 30), seed=3)
+    kw = dict(device="cpu", kv_cache_memory="8MiB", cpu_moe=True)
+    want = [o.token_ids for o in LLM(str(tmp_path), **kw).generate(ps, V4_GREEDY)]
+    llm = LLM(str(tmp_path), stream_experts="on", stream_experts_min_tokens=4, **kw)
+    streamer = llm.engine.model.cpu_experts.streamer
+    assert [o.token_ids for o in llm.generate(ps, V4_GREEDY)] == want
+    assert streamer.stats().layers >= len(streamer.order)  # at least one step streamed every layer
+    assert all(b.executor.limit == 0.5 for b in llm.engine.model.moe_blocks().values())
