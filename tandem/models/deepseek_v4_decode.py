@@ -64,21 +64,49 @@ def _restore(cache: LayerCache, name: str, step: StepMetadata, ratio: int) -> No
 
 
 def _compress(c: WindowCompressor, cache: LayerCache, name: str, hidden: torch.Tensor, positions: torch.Tensor,
-              step: StepMetadata, rotary: InterleavedRotary) -> None:
-    """Steps 1-2 of the module docstring for one compressor (the layer's, or the CSA indexer's)."""
-    g, m, D = cache.group, c.ratio, c.head_dim
+              step: StepMetadata, rotary: InterleavedRotary, kernel: bool = False) -> None:
+    """Steps 1-2 of the module docstring for one compressor (the layer's, or the CSA indexer's).
+    `kernel`: the pooling, norm and rotary in Triton (tandem/kernels/deepseek_v4_compress.py)."""
+    g, m = cache.group, c.ratio
     ring = cache.state[name]  # [S + 1, R, 2 * width]
-    R, width = ring.shape[1], ring.shape[2] // 2
     slot = step.state_slots[g]  # [T]
     if cache.snapshots:
         _restore(cache, name, step, m)
     kv, gate = c.project(hidden, positions)  # [T, width] each
-    ring[slot, positions % R] = torch.cat((kv, gate), dim=-1).to(ring.dtype)
+    ring[slot, positions % ring.shape[1]] = torch.cat((kv, gate), dim=-1).to(ring.dtype)
     n = (positions + 1) // m - 1  # the window each token would close
+    if kernel:
+        from tandem.kernels.deepseek_v4_compress import deepseek_v4_compress_entries
+
+        entries = deepseek_v4_compress_entries(ring, slot, positions, m, c.head_dim, c.overlap, c.kv_norm.weight,
+                                               c.kv_norm.eps, rotary.inv_freq, rotary.attention_scaling)
+    else:
+        entries = pool_entries(c, ring, slot, positions, rotary)
+    pages, scales = _pages(cache, name)
+    closes = ((positions + 1) % m == 0) & (n >= 0)
+    _write(pages, scales, torch.where(closes, step.slot_mappings[g], _sink_slot(pages)), entries)
+    snaps = cache.snapshots.get(name)
+    if snaps is not None:  # the window's ring rows; non-boundary tokens hit the sink row
+        snaps[step.snapshot_slots[g]] = _window_rows(ring, slot, n, m).to(snaps.dtype)
+
+
+def _window_rows(ring: torch.Tensor, slot: torch.Tensor, n: torch.Tensor, m: int) -> torch.Tensor:
+    """Ring rows of window n of each token's slot: [T, m, 2 * width]."""
     offsets = torch.arange(m, device=ring.device)
-    cur = ring[slot[:, None], (n[:, None] * m + offsets) % R]  # [T, m, 2 * width]
+    return ring[slot[:, None], (n[:, None] * m + offsets) % ring.shape[1]]
+
+
+def pool_entries(c: WindowCompressor, ring: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
+                 rotary: InterleavedRotary) -> torch.Tensor:
+    """Step 2's entries in torch: each token's window n = (p + 1) // m - 1 pooled from its ring
+    slot exactly as `WindowCompressor.pool`, normed and rotated: [T, D] in the ring's dtype (the
+    reference of the Triton kernel)."""
+    m, D = c.ratio, c.head_dim
+    width = ring.shape[2] // 2
+    n = (positions + 1) // m - 1
+    cur = _window_rows(ring, slot, n, m)  # [T, m, 2 * width]
     if c.overlap:  # slots [Ca of window n - 1, Cb of window n]; window -1 has none
-        prev = ring[slot[:, None], ((n - 1)[:, None] * m + offsets) % R]
+        prev = _window_rows(ring, slot, n - 1, m)
         first = (n == 0)[:, None, None]
         kv_slots = torch.cat((prev[..., :D], cur[..., D:width]), dim=1)  # [T, 2m, D]
         prev_gate = prev[..., width : width + D].masked_fill(first, float("-inf"))
@@ -91,13 +119,7 @@ def _compress(c: WindowCompressor, cache: LayerCache, name: str, hidden: torch.T
     weights = gate_slots.transpose(1, 2).softmax(dim=-1, dtype=torch.float32).transpose(1, 2).to(kv_slots.dtype)
     entries = c.kv_norm((kv_slots * weights).sum(dim=1))  # [T, D]
     cos, sin = rotary(n.clamp(min=0) * m, entries.dtype)
-    entries = apply_rope_tail(entries, cos, sin)
-    pages, scales = _pages(cache, name)
-    closes = ((positions + 1) % m == 0) & (n >= 0)
-    _write(pages, scales, torch.where(closes, step.slot_mappings[g], _sink_slot(pages)), entries)
-    snaps = cache.snapshots.get(name)
-    if snaps is not None:
-        snaps[step.snapshot_slots[g]] = cur.to(snaps.dtype)  # non-boundary tokens hit the sink row
+    return apply_rope_tail(entries, cos, sin)
 
 
 def _closed_entries(cache: LayerCache, name: str, step: StepMetadata, rows: torch.Tensor, dtype: torch.dtype
@@ -165,9 +187,9 @@ def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, positions: t
                    caches: tuple[LayerCache, ...], step: StepMetadata, rotary: InterleavedRotary,
                    kernel: bool) -> torch.Tensor:
     """One V4 attention block over a decode / verify step's tokens: hidden [T, H] -> [T, H], the
-    caches updated. `kernel`: the Triton kernels (CUDA): the indexer's scores, and the attention
-    unless the pages are fp8 (it reads --dtype pages; the model logs that at bind time), else the
-    torch gathers."""
+    caches updated. `kernel`: the Triton kernels (CUDA): the compressors' entries, the indexer's
+    scores, and the attention unless the pages are fp8 (it reads --dtype pages; the model logs that
+    at bind time), else the torch gathers."""
     T = hidden.shape[0]
     rows = token_requests(step.query_start_loc, T)
     cos, sin = rotary(positions, hidden.dtype)
@@ -178,9 +200,9 @@ def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, positions: t
     c = attn.compressor
     if c is not None:
         cache = caches[1]
-        _compress(c, cache, "compressor", hidden, positions, step, rotary)
+        _compress(c, cache, "compressor", hidden, positions, step, rotary, kernel)
         if isinstance(c, SparseCompressor):
-            _compress(c.indexer, cache, "indexer", hidden, positions, step, rotary)
+            _compress(c.indexer, cache, "indexer", hidden, positions, step, rotary, kernel)
             topk = _indexer_topk(attn, cache, hidden, q_latent[0], positions, rows, step, rotary, kernel)
     if kernel and window.scales is None:
         from tandem.kernels.deepseek_v4_attention import deepseek_v4_paged_attention

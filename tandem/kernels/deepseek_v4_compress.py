@@ -1,0 +1,157 @@
+"""DeepSeek-V4's compressor entries for decode / verify steps in two Triton kernels, replacing ~30
+torch launches per compressor and step (the window gathers, the slot softmax, the weighted sum,
+`kv_norm` and the rotary tail).
+
+    deepseek_v4_compress_entries(ring [S + 1, R, 2W], slots [T], positions [T], ratio, head_dim,
+                                 overlap, norm_weight [D], eps, inv_freq [rope_dim / 2], scaling)
+        -> entries [T, D] in the ring's dtype
+
+For token t at position p of the request in ring slot s, window n = (p + 1) // m - 1 (m = ratio;
+R = ring rows, a multiple of m; W = the projection width, 2D with `overlap` and D without) is
+pooled exactly as `_compress` in tandem/models/deepseek_v4_decode.py does:
+
+    rows j < m of window n:       ring[s, (n m + j) mod R]  = (kv | gate), each W wide
+    slots (overlap):              m rows of window n - 1 (kv[:D], gate[W:W+D]; -inf gates when n = 0),
+                                  then m rows of window n (kv[D:2D], gate[W+D:])
+    slots (no overlap):           the m rows of window n (kv[:D], gate[W:])
+    weights = softmax over the slots per channel (float32), rounded to the ring's dtype
+    pooled  = sum over slots of round(kv * weight)                   (float32 sum, then rounded)
+    entry   = rope_tail(kv_norm(pooled)) at position max(n, 0) m    (RMSNorm as layers/norm.py,
+                                                                     cos/sin rounded as InterleavedRotary)
+
+A token that closes no window (n < 0) pools rows anyway (its entry goes to the sink): the same work
+whatever the position, so a graph captures it. `_pool_kernel` runs on (T, cdiv(D, BLOCK_D)): two
+passes over the slots per channel tile (the max and the sum of exponentials, then the rounded
+weights times the values). `_norm_rope_kernel` runs on (T,): the norm over D, then each rotary
+channel with its pair partner (loaded again rather than shuffled in registers).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_D = 32
+_BLOCK_S = 32
+
+
+@triton.jit
+def _slot_layout(s, d, n, ratio, rows, head_dim, num_slots, in_d, OVERLAP: tl.constexpr):
+    """Slots s [BS] of token's window n, channels d [BD] -> (ring rows [BS], kv columns [BS, BD]
+    (the gate's are `width` further), the load mask, and where a slot is window -1's)."""
+    in_s = s < num_slots
+    if OVERLAP:  # slots < m: window n - 1's first half; the rest window n's second half
+        prev = s < ratio
+        window = tl.where(prev, n - 1, n)
+        j = tl.where(prev, s, s - ratio)
+        kv_col = tl.where(prev[:, None], d[None, :], head_dim + d[None, :])
+        first = prev[:, None] & (n == 0) & (d[None, :] >= 0)
+    else:
+        window = n + 0 * s
+        j = s
+        kv_col = d[None, :] + 0 * s[:, None]
+        first = (s[:, None] < 0) & (d[None, :] >= 0)
+    row = ((window * ratio + j) % rows + rows) % rows  # Python's modulo: n may be negative
+    return row, kv_col, in_s[:, None] & in_d[None, :], first
+
+
+@triton.jit
+def _pool_kernel(
+    ring_ptr, slot_ptr, pos_ptr, out_ptr,
+    ratio, rows, head_dim, width,
+    stride_rs, stride_rr, stride_ot,
+    OVERLAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_d = d < head_dim
+    slot = tl.load(slot_ptr + t)
+    n = (tl.load(pos_ptr + t) + 1) // ratio - 1
+    base = ring_ptr + slot * stride_rs
+    if OVERLAP:
+        num_slots = 2 * ratio
+    else:
+        num_slots = ratio
+    # pass 1: per channel, the max and the sum of exponentials over the slots
+    m_run = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_slots, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        row, kv_col, mask, first = _slot_layout(s, d, n, ratio, rows, head_dim, num_slots, in_d, OVERLAP)
+        g = tl.load(base + row[:, None] * stride_rr + width + kv_col, mask=mask, other=float("-inf")).to(tl.float32)
+        g = tl.where(first, float("-inf"), g)  # window -1 does not exist
+        m_new = tl.maximum(m_run, tl.max(g, axis=0))
+        l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(g - m_new[None, :]), axis=0)
+        m_run = m_new
+    # pass 2: the rounded weights times the values, summed in float32
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_slots, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        row, kv_col, mask, first = _slot_layout(s, d, n, ratio, rows, head_dim, num_slots, in_d, OVERLAP)
+        g = tl.load(base + row[:, None] * stride_rr + width + kv_col, mask=mask, other=float("-inf")).to(tl.float32)
+        g = tl.where(first, float("-inf"), g)
+        w = (tl.exp(g - m_run[None, :]) / l_run[None, :]).to(dtype).to(tl.float32)
+        kv = tl.load(base + row[:, None] * stride_rr + kv_col, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(mask, (kv * w).to(dtype).to(tl.float32), 0.0), axis=0)
+    tl.store(out_ptr + t * stride_ot + d, acc.to(dtype), mask=in_d)
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr,
+    ratio, head_dim, rope_dim, eps, scaling,
+    stride_xt, stride_ot,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    in_c = c < head_dim
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * stride_xt + c, mask=in_c, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
+    weight = tl.load(w_ptr + c, mask=in_c, other=0.0).to(tl.float32)
+    y = ((x * r).to(dtype).to(tl.float32) * weight).to(dtype)  # RMSNorm: cast, then the weight
+    nope = head_dim - rope_dim
+    is_rope = (c >= nope) & in_c
+    partner = tl.where(is_rope, c ^ 1, c)  # interleaved pairs (nope is even)
+    xp = tl.load(x_ptr + t * stride_xt + partner, mask=in_c, other=0.0).to(tl.float32)
+    yp = ((xp * r).to(dtype).to(tl.float32) * tl.load(w_ptr + partner, mask=in_c, other=0.0).to(tl.float32)).to(dtype)
+    n = (tl.load(pos_ptr + t) + 1) // ratio - 1
+    position = (tl.maximum(n, 0) * ratio).to(tl.float32)
+    k = tl.where(is_rope, (c - nope) // 2, 0)
+    freq = position * tl.load(inv_freq_ptr + k, mask=is_rope, other=0.0)
+    cos = (tl.cos(freq) * scaling).to(dtype).to(tl.float32)
+    sin = (tl.sin(freq) * scaling).to(dtype).to(tl.float32)
+    yf, ypf = y.to(tl.float32), yp.to(tl.float32)
+    even = (c - nope) % 2 == 0
+    rotated = tl.where(even, yf * cos - ypf * sin, yf * cos + ypf * sin)
+    out = tl.where(is_rope, rotated.to(dtype), y.to(dtype))
+    tl.store(out_ptr + t * stride_ot + c, out, mask=in_c)
+
+
+def deepseek_v4_compress_entries(ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, ratio: int,
+                                 head_dim: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
+                                 inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """See the module docstring."""
+    S1, R, two_width = ring.shape
+    width = two_width // 2
+    if width != (2 * head_dim if overlap else head_dim) or R % ratio or ring.stride(-1) != 1:
+        raise ValueError(f"ring {tuple(ring.shape)} does not hold ratio-{ratio} windows of head_dim {head_dim}"
+                         f"{' (overlapping)' if overlap else ''}")
+    rope_dim = 2 * inv_freq.numel()
+    if rope_dim > head_dim or (head_dim - rope_dim) % 2:
+        raise ValueError(f"rope_dim {rope_dim} does not fit head_dim {head_dim} as interleaved pairs")
+    T = positions.shape[0]
+    pooled = torch.empty(T, head_dim, dtype=ring.dtype, device=ring.device)
+    out = torch.empty_like(pooled)
+    if T == 0:
+        return out
+    _pool_kernel[(T, triton.cdiv(head_dim, _BLOCK_D))](
+        ring, slots, positions, pooled, ratio, R, head_dim, width, ring.stride(0), ring.stride(1), pooled.stride(0),
+        OVERLAP=overlap, BLOCK_S=_BLOCK_S, BLOCK_D=_BLOCK_D)
+    _norm_rope_kernel[(T,)](
+        pooled, norm_weight, positions, inv_freq, out, ratio, head_dim, rope_dim, eps, scaling,
+        pooled.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(head_dim))
+    return out

@@ -1,0 +1,86 @@
+"""The DeepSeek-V4 compressor-entry kernels (tandem/kernels/deepseek_v4_compress.py) against the
+torch path they replace (`pool_entries` in tandem/models/deepseek_v4_decode.py, itself checked
+against transformers through the engine): overlapping (CSA and its indexer) and not (HCA), tokens
+that close a window and ones that do not (n < 0 included, n = 0 where window -1 is masked), ring
+rows that wrap, float32 and bfloat16, YaRN's cos/sin scale. Without CUDA the kernels run in Triton's
+interpreter on tiny shapes; with CUDA (`-m gpu`) on V4-Flash's shapes, also replayed from a graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import interpret_without_cuda, interpreted_module, kernel_test_setup  # noqa: F401 (autouse)
+
+interpret_without_cuda()  # before anything imports Triton
+
+from tandem.models.deepseek_v4_attention import InterleavedRotary, WindowCompressor  # noqa: E402
+from tandem.models.deepseek_v4_decode import pool_entries  # noqa: E402
+from tandem.models.layers.rotary import RopeConfig  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+YARN = RopeConfig(theta=160000.0, rope_type="yarn", factor=16.0, original_max_position_embeddings=65536)
+
+
+@pytest.fixture(scope="module")
+def kern():
+    yield from interpreted_module("tandem.kernels.deepseek_v4_compress", "_pool_kernel", language=True)
+
+
+def check(kern, *, ratio: int, head_dim: int, rope_dim: int, overlap: bool, dtype: torch.dtype, device: str,
+          positions: list[int], ring_windows: int = 2, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    c = WindowCompressor(16, head_dim, ratio, overlap, 1e-6)
+    with torch.no_grad():
+        c.kv_norm.weight.copy_(torch.rand(head_dim, generator=g) + 0.5)
+    c = c.to(device=device, dtype=dtype)
+    rotary = InterleavedRotary(rope_dim, YARN).to(device)
+    width = 2 * head_dim if overlap else head_dim
+    slots = 3
+    ring = (torch.randn(slots + 1, ring_windows * ratio, 2 * width, generator=g) * 2).to(device, dtype)
+    pos = torch.tensor(positions, device=device)
+    slot = torch.arange(len(positions), device=device) % slots
+    want = pool_entries(c, ring, slot, pos, rotary)
+    got = kern.deepseek_v4_compress_entries(ring, slot, pos, ratio, head_dim, overlap, c.kv_norm.weight, c.kv_norm.eps,
+                                            rotary.inv_freq, rotary.attention_scaling)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the same roundings; exp, cos and sums in another order: an ulp here and there, which
+        # the rotary's differences can amplify (Triton's interpreter also truncates to bf16 where the
+        # GPU rounds: up to a few ulps there)
+        atol = 2**-6 if device == "cuda" else 2**-4
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=atol)
+        if device == "cuda":  # (the interpreter's truncation moves most values by an ulp)
+            assert (got != want).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["csa", "hca"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_entries_match_the_torch_path(kern, overlap, dtype) -> None:
+    # positions: no window closed yet (n = -1), the first window (n = 0: window -1 masked), later
+    # windows wrapping around the ring, and tokens between boundaries
+    check(kern, ratio=4, head_dim=32, rope_dim=8, overlap=overlap, dtype=dtype, device="cpu",
+          positions=[0, 2, 3, 4, 7, 9, 14, 15, 31])
+
+
+def test_long_windows_span_several_slot_tiles(kern) -> None:
+    check(kern, ratio=40, head_dim=24, rope_dim=8, overlap=False, dtype=torch.float32, device="cpu",
+          positions=[39, 80, 119, 200])
+
+
+def test_bad_shapes_are_refused(kern) -> None:
+    ring = torch.zeros(2, 8, 2 * 32)
+    args = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 4, 32)
+    with pytest.raises(ValueError, match="does not hold ratio-4 windows"):
+        kern.deepseek_v4_compress_entries(ring, *args, True, torch.ones(32), 1e-6, torch.ones(4), 1.0)
+    with pytest.raises(ValueError, match="rope_dim 34 does not fit"):
+        kern.deepseek_v4_compress_entries(ring, *args, False, torch.ones(32), 1e-6, torch.ones(17), 1.0)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("ratio,overlap,head_dim", [(4, True, 512), (4, True, 128), (128, False, 512)],
+                         ids=["csa", "indexer", "hca"])
+def test_on_cuda_v4_flash_shapes(kern, ratio, overlap, head_dim) -> None:
+    check(kern, ratio=ratio, head_dim=head_dim, rope_dim=64, overlap=overlap, dtype=torch.bfloat16, device="cuda",
+          positions=[0, ratio - 1, ratio, 2 * ratio - 1, 5 * ratio + 1, 9 * ratio - 1], ring_windows=4)
