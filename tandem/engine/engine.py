@@ -611,32 +611,5 @@ class LLMEngine:
         q, h = self.kv.prefix_queries, self.kv.prefix_hits
         line = self._window.line(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage, q, h)
         self._window = StatsWindow(time.monotonic(), q, h)
-        return line + self._hot_expert_part() + self._stream_part()
-
-    def _stream_part(self) -> str:
-        """`, Expert streaming: N layer calls, X GB at Y GB/s` over the window, and its counters
-        (syncs with the copy stream: stats time only)."""
-        streamer = getattr(getattr(self.model, "cpu_experts", None), "streamer", None)
-        if streamer is None:
-            return ""
-        stats = streamer.stats()
-        streamer.reset_stats()
-        if not stats.layers:
-            return ""
-        labels = dict(model_name=self.model_name)
-        self.metrics.expert_stream_bytes.labels(**labels).inc(stats.bytes)
-        self.metrics.expert_stream_seconds.labels(**labels).inc(stats.seconds)
-        rate = f" at {stats.bandwidth / 1e9:.1f} GB/s" if stats.seconds else ""
-        return f", Expert streaming: {stats.layers} layer calls, {stats.bytes / 1e9:.2f} GB{rate}"
-
-    def _hot_expert_part(self) -> str:
-        """`, Hot-expert hit rate: x% (y..z% by layer)` since start, and its gauges (syncs: stats time only)."""
-        sink = getattr(self.model, "cpu_experts", None)
-        rates = sink.hot_hit_rates() if sink is not None else {}
-        if not rates:
-            return ""
-        for layer, rate in rates.items():
-            self.metrics.hot_expert_hit_rate.labels(model_name=self.model_name, layer=str(layer)).set(rate)
-        mean = sum(rates.values()) / len(rates)
-        return (f", Hot-expert hit rate: {100 * mean:.1f}% ({100 * min(rates.values()):.1f}-"
-                f"{100 * max(rates.values()):.1f}% over {len(rates)} layers)")
+        sink = getattr(self.model, "cpu_experts", None)  # experts in RAM: hot-expert hits, streaming
+        return line + (sink.stats_line_part(self.metrics, self.model_name) if sink is not None else "")

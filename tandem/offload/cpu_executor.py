@@ -36,6 +36,7 @@ from tandem.offload.streaming import ExpertStreamer, StreamingExecutor
 
 if TYPE_CHECKING:
     from tandem.config import OffloadConfig
+    from tandem.engine.metrics import EngineMetrics
     from tandem.offload.cpu_experts import CpuExpertLayer
     from tandem.offload.placement import Placement
 
@@ -288,6 +289,27 @@ class OffloadedExperts:
             for name, tensor in self._hot_weights[(layer, expert)].items():
                 getattr(module, name).weight.copy_(tensor)
         return module
+
+    def stats_line_part(self, metrics: EngineMetrics, model_name: str) -> str:
+        """The engine stats line's part for experts in RAM, and its gauges and counters (syncs with
+        the device: stats time only): `, Hot-expert hit rate: x% (y-z% over N layers)` since start,
+        `, Expert streaming: N layer calls, X GB at Y GB/s` over the window since the last line."""
+        part = ""
+        rates = self.hot_hit_rates()
+        if rates:
+            for layer, rate in rates.items():
+                metrics.hot_expert_hit_rate.labels(model_name=model_name, layer=str(layer)).set(rate)
+            part += (f", Hot-expert hit rate: {100 * sum(rates.values()) / len(rates):.1f}% "
+                     f"({100 * min(rates.values()):.1f}-{100 * max(rates.values()):.1f}% over {len(rates)} layers)")
+        if self.streamer is not None:
+            stats = self.streamer.stats()
+            self.streamer.reset_stats()
+            if stats.layers:
+                metrics.expert_stream_bytes.labels(model_name=model_name).inc(stats.bytes)
+                metrics.expert_stream_seconds.labels(model_name=model_name).inc(stats.seconds)
+                rate = f" at {stats.bandwidth / 1e9:.1f} GB/s" if stats.seconds else ""
+                part += f", Expert streaming: {stats.layers} layer calls, {stats.bytes / 1e9:.2f} GB{rate}"
+        return part
 
     def hot_hit_rates(self) -> dict[int, float]:
         """Per layer with hot experts, the share of its (token, slot) pairs they served (syncs)."""
