@@ -16,9 +16,9 @@ boundaries too (layer i's call queues the first groups of layer i + 1). A copy w
 for the compute that last read its slot (an event), never on the host. Each group is unpacked on
 the GPU into dense `w13 [G, 2I, H]`, `w2 [G, H, I]` in the run's dtype (fp32 and bf16 tiles are a
 permutation of the stored values; int8, int4 and mxfp4 are decoded to the float32 values the CPU
-kernel computes with, then cast: in one Triton pass on CUDA) and its rows run through `expert_rows`, the grouped executor's
-math (tandem/kernels/moe_grouped.py). The result equals the CPU kernel's to rounding, and exactly
-in fp32 up to summation order.
+kernel computes with, then cast: in one Triton pass on CUDA), and its rows run through
+`expert_rows`, the grouped executor's math (tandem/kernels/moe_grouped.py). The result equals the
+CPU kernel's to rounding, and exactly in fp32 up to summation order.
 
 One host sync per streamed layer reads where each group's rows start (a prefill step syncs
 anyway: the CPU path's host node does). On a CPU run the same code runs with the CPU as the
