@@ -39,7 +39,7 @@ def check(kern, *, ratio: int, head_dim: int, rope_dim: int, overlap: bool, dtyp
     ring = (torch.randn(slots + 1, ring_windows * ratio, 2 * width, generator=g) * 2).to(device, dtype)
     pos = torch.tensor(positions, device=device)
     slot = torch.arange(len(positions), device=device) % slots
-    want = pool_entries(c, ring, slot, pos, rotary)
+    want, _ = pool_entries(c, ring, slot, pos, rotary)
     got = kern.deepseek_v4_compress_entries(ring, slot, pos, ratio, head_dim, overlap, c.kv_norm.weight, c.kv_norm.eps,
                                             rotary.inv_freq, rotary.attention_scaling)
     assert got.dtype == dtype and got.shape == want.shape

@@ -75,19 +75,21 @@ def _compress(c: WindowCompressor, cache: LayerCache, name: str, hidden: torch.T
     kv, gate = c.project(hidden, positions)  # [T, width] each
     ring[slot, positions % ring.shape[1]] = torch.cat((kv, gate), dim=-1).to(ring.dtype)
     n = (positions + 1) // m - 1  # the window each token would close
+    cur = None  # the ring rows of each token's window, when the torch path gathered them
     if kernel:
         from tandem.kernels.deepseek_v4_compress import deepseek_v4_compress_entries
 
         entries = deepseek_v4_compress_entries(ring, slot, positions, m, c.head_dim, c.overlap, c.kv_norm.weight,
                                                c.kv_norm.eps, rotary.inv_freq, rotary.attention_scaling)
     else:
-        entries = pool_entries(c, ring, slot, positions, rotary)
+        entries, cur = pool_entries(c, ring, slot, positions, rotary)
     pages, scales = _pages(cache, name)
     closes = ((positions + 1) % m == 0) & (n >= 0)
     _write(pages, scales, torch.where(closes, step.slot_mappings[g], _sink_slot(pages)), entries)
     snaps = cache.snapshots.get(name)
     if snaps is not None:  # the window's ring rows; non-boundary tokens hit the sink row
-        snaps[step.snapshot_slots[g]] = _window_rows(ring, slot, n, m).to(snaps.dtype)
+        cur = _window_rows(ring, slot, n, m) if cur is None else cur
+        snaps[step.snapshot_slots[g]] = cur.to(snaps.dtype)
 
 
 def _window_rows(ring: torch.Tensor, slot: torch.Tensor, n: torch.Tensor, m: int) -> torch.Tensor:
@@ -97,10 +99,10 @@ def _window_rows(ring: torch.Tensor, slot: torch.Tensor, n: torch.Tensor, m: int
 
 
 def pool_entries(c: WindowCompressor, ring: torch.Tensor, slot: torch.Tensor, positions: torch.Tensor,
-                 rotary: InterleavedRotary) -> torch.Tensor:
+                 rotary: InterleavedRotary) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2's entries in torch: each token's window n = (p + 1) // m - 1 pooled from its ring
     slot exactly as `WindowCompressor.pool`, normed and rotated: [T, D] in the ring's dtype (the
-    reference of the Triton kernel)."""
+    reference of the Triton kernel); and the window's ring rows it gathered, [T, m, 2 * width]."""
     m, D = c.ratio, c.head_dim
     width = ring.shape[2] // 2
     n = (positions + 1) // m - 1
@@ -119,7 +121,7 @@ def pool_entries(c: WindowCompressor, ring: torch.Tensor, slot: torch.Tensor, po
     weights = gate_slots.transpose(1, 2).softmax(dim=-1, dtype=torch.float32).transpose(1, 2).to(kv_slots.dtype)
     entries = c.kv_norm((kv_slots * weights).sum(dim=1))  # [T, D]
     cos, sin = rotary(n.clamp(min=0) * m, entries.dtype)
-    return apply_rope_tail(entries, cos, sin)
+    return apply_rope_tail(entries, cos, sin), cur
 
 
 def _closed_entries(cache: LayerCache, name: str, step: StepMetadata, rows: torch.Tensor, dtype: torch.dtype
