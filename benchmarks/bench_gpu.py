@@ -191,18 +191,20 @@ def run_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, 
             "per_request_tok_s": (new_tokens - 1) / (t_end - t_first), "steps": steps, "graph_steps": int(graph_steps)}
 
 
-def run_prefill(engine: LLMEngine, length: int, seed: int) -> dict:
+def run_prefill(engine: LLMEngine, length: int, seed: int, reps: int = 3) -> dict:
+    """The best of `reps` prefills of a random `length`-token prompt (one output token each); the
+    first repetition compiles kernels for the shape."""
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     best = None
-    for rep in range(3):  # the first repetition compiles kernels for the shape
+    for rep in range(reps):
         engine.add_request(f"p{seed}-{rep}", torch.randint(0, min(150000, engine.vocab_size), (length,),
                                                            generator=g).tolist(), params)
-        torch.cuda.synchronize()
+        sync(engine.device)
         t = time.perf_counter()
         while engine.has_unfinished:
             engine.step()
-        torch.cuda.synchronize()
+        sync(engine.device)
         dt = time.perf_counter() - t
         best = dt if best is None else min(best, dt)
     return {"length": length, "prefill_tok_s": length / best, "seconds": best}

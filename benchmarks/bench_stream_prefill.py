@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,30 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import SHAPES, model_dir, sync  # noqa: E402
+from bench_gpu import SHAPES, model_dir, run_prefill  # noqa: E402
 from bench_hot_experts import build  # noqa: E402
 
 from tandem.config import CacheConfig, EngineConfig, ModelConfig, OffloadConfig, RunnerConfig, SchedulerConfig  # noqa: E402
-from tandem.core import SamplingParams  # noqa: E402
 from tandem.engine.engine import LLMEngine  # noqa: E402
 from tandem.offload.measure import h2d_bandwidth  # noqa: E402
-
-
-def prefill_seconds(engine: LLMEngine, length: int, reps: int, seed: int) -> float:
-    """Best of `reps` prefills of a random `length`-token prompt (one output token each)."""
-    g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    best = float("inf")
-    for rep in range(reps):
-        engine.add_request(f"p{seed}-{length}-{rep}", torch.randint(0, engine.vocab_size, (length,), generator=g).tolist(),
-                           params)
-        sync(engine.device)
-        start = time.perf_counter()
-        while engine.has_unfinished:
-            engine.step()
-        sync(engine.device)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -98,7 +79,7 @@ def main() -> None:
         engine = LLMEngine(config, model=model)
         for length in lengths:
             streamer.reset_stats()
-            seconds = prefill_seconds(engine, length, args.reps, seed=length)
+            seconds = run_prefill(engine, length, seed=length, reps=args.reps)["seconds"]
             stats = streamer.stats()  # both reps: bytes and copy-stream span add up over them
             run = {"path": "streamed" if length >= threshold else "cpu (below the threshold)", "length": length,
                    "prefill_tok_s": length / seconds, "seconds": seconds, "streamed_layer_calls": stats.layers,
@@ -111,7 +92,7 @@ def main() -> None:
                   flush=True)
         streamer.min_tokens = 1 << 40  # the CPU experts from here on, same weights and engine
         for length in cpu_lengths:
-            seconds = prefill_seconds(engine, length, args.reps, seed=length)
+            seconds = run_prefill(engine, length, seed=length + 1, reps=args.reps)["seconds"]
             results["runs"].append({"path": "cpu (streaming off)", "length": length, "prefill_tok_s": length / seconds,
                                     "seconds": seconds})
             print(f"prefill {length} on the CPU experts: {length / seconds:.0f} tok/s", flush=True)
