@@ -4,9 +4,8 @@ the GPU in one pass, for PCIe expert streaming (tandem/offload/streaming.py).
     unpack_quantized(packed uint8 [G, expert_bytes], fmt, hidden, inter, dtype)
         -> (w13 [G, 2I, H], w2 [G, H, I]) in dtype
 
-The packed layout is moe.h's (tandem/offload/cpu_kernels/): an expert is ceil(I/8) phase-1 tiles
-(rows 0-7 gate rows 8j.., rows 8-15 up rows 8j..; K = H inputs) then ceil(H/16) phase-2 tiles
-(down rows 16j..; K = I), each tile 16 rows over K padded to blocks of 32:
+The packed layout is moe.h's (tandem/offload/cpu_kernels/; its tiles and sizes in
+expert_layout.py). Per tile of 16 rows over K inputs, by format:
 
     int8   [16] float32 row scales (64 bytes), then [K][16] int8          value = code * scale[row]
     int4   per block: [16] bf16 scales, then 8 quads of [16 rows][2 bytes]  value = code (-8..7) * scale
@@ -23,13 +22,12 @@ One program decodes BLOCKS blocks (32 inputs each) of one tile of one expert: th
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-_ROWS, _BLOCK = 16, 32
+from tandem.kernels.expert_layout import SCALE_BYTES, Geometry
+
 _FMT = {"int8": 0, "int4": 1, "mxfp4": 2}
 _BLOCKS = 4  # blocks of 32 inputs per program
 
@@ -82,10 +80,6 @@ def _unpack_kernel(
                  value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tile_bytes(fmt: str, nb: int) -> int:
-    return 64 + nb * _BLOCK * _ROWS if fmt == "int8" else nb * ((32 if fmt == "int4" else 16) + 256)
-
-
 def unpack_quantized(packed: torch.Tensor, fmt: str, hidden: int, inter: int, dtype: torch.dtype
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. `packed` must be contiguous uint8 on the device."""
@@ -94,14 +88,12 @@ def unpack_quantized(packed: torch.Tensor, fmt: str, hidden: int, inter: int, dt
     if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous():
         raise ValueError(f"packed experts must be contiguous uint8 [G, bytes], got {packed.dtype} {tuple(packed.shape)}")
     g = packed.shape[0]
-    nb_h, nb_i = math.ceil(hidden / _BLOCK), math.ceil(inter / _BLOCK)
-    tiles1, tiles2 = math.ceil(inter / 8), math.ceil(hidden / 16)
-    tile1, tile2 = _tile_bytes(fmt, nb_h), _tile_bytes(fmt, nb_i)
+    nb_h, nb_i, tiles1, tiles2, tile1, tile2 = Geometry.of(fmt, hidden, inter)
     w13 = torch.empty(g, 2 * inter, hidden, dtype=dtype, device=packed.device)
     w2 = torch.empty(g, hidden, inter, dtype=dtype, device=packed.device)
     if g == 0:
         return w13, w2
-    common = dict(FMT=_FMT[fmt], BLOCKS=_BLOCKS, SB=32 if fmt == "int4" else 16)
+    common = dict(FMT=_FMT[fmt], BLOCKS=_BLOCKS, SB=SCALE_BYTES.get(fmt, 0))
     _unpack_kernel[(g * tiles1, triton.cdiv(nb_h, _BLOCKS))](
         packed, w13, packed.shape[1], 0, tile1, tiles1, nb_h, 2 * inter, hidden, inter,
         w13.stride(0), w13.stride(1), PHASE1=True, **common)

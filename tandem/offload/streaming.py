@@ -34,6 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels.expert_layout import BLOCK as _BLOCK
+from tandem.kernels.expert_layout import ROWS as _ROWS
+from tandem.kernels.expert_layout import SCALE_BYTES, Geometry
 from tandem.kernels.moe_grouped import combine_slots, expert_rows, sort_by_expert
 from tandem.offload.cpu_experts import CpuExpertLayer
 
@@ -41,27 +44,7 @@ logger = logging.getLogger("tandem")
 
 STREAMABLE_FORMATS = ("fp32", "bf16", "int8", "int4", "mxfp4")  # the packed formats `unpack_experts` undoes
 SLOTS = 3  # ring buffers: one computing, two on the wire
-_ROWS, _BLOCK = 16, 32  # moe.h's kRows and kBlock
 _QUANTIZED = ("int8", "int4", "mxfp4")
-_SCALE_BYTES = {"int4": _ROWS * 2, "mxfp4": _ROWS}  # per block: bf16 / E8M0 row scales, then the codes
-_CODE_BYTES = _BLOCK // 2 * _ROWS  # a block's 4-bit codes: 8 quads of [16 rows][2 bytes]
-
-
-def _tile_bytes(fmt: str, nb: int) -> int:
-    """moe.h's tile_bytes: one tile of 16 rows over nb blocks of 32 inputs."""
-    if fmt in ("fp32", "bf16"):
-        return nb * _BLOCK * _ROWS * (4 if fmt == "fp32" else 2)
-    if fmt == "int8":
-        return 64 + nb * _BLOCK * _ROWS
-    return nb * (_SCALE_BYTES[fmt] + _CODE_BYTES)
-
-
-def _geometry(fmt: str, hidden: int, inter: int) -> tuple[int, int, int, int, int]:
-    """(blocks along H, blocks along I, phase-1 tiles, phase-2 tiles, byte offset of the down
-    tiles): moe.h's Geometry."""
-    nb_h, nb_i = math.ceil(hidden / _BLOCK), math.ceil(inter / _BLOCK)
-    tiles1, tiles2 = math.ceil(inter / (_ROWS // 2)), math.ceil(hidden / _ROWS)
-    return nb_h, nb_i, tiles1, tiles2, tiles1 * _tile_bytes(fmt, nb_h)
 
 
 def _fp4_values(codes: torch.Tensor) -> torch.Tensor:
@@ -87,7 +70,7 @@ def _tile_rows(raw: torch.Tensor, fmt: str, tiles: int, nb: int) -> torch.Tensor
         codes = tile[..., 64:].view(torch.int8).view(g, tiles, k, _ROWS).permute(0, 1, 3, 2)
         return codes.float() * scales[..., None]
     blocks = tile.view(g, tiles, nb, -1)  # per block: the scales, then the codes
-    sb = _SCALE_BYTES[fmt]
+    sb = SCALE_BYTES[fmt]
     if fmt == "int4":
         scales = blocks[..., :sb].contiguous().view(torch.bfloat16).float()  # [G, tiles, nb, 16]
     else:  # E8M0: 2^(s - 127); 0 is 2^-127 and 255 +inf, as decode_block
@@ -136,13 +119,13 @@ def unpacked_bytes_per_expert(expert_bytes: int, hidden: int, inter: int, dtype:
 
 
 def _unpack(packed: torch.Tensor, fmt: str, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    nb_h, nb_i, tiles1, tiles2, down = _geometry(fmt, hidden, inter)
-    g, hp, ip = packed.shape[0], nb_h * _BLOCK, nb_i * _BLOCK
-    phase1 = _tile_rows(packed[:, :down], fmt, tiles1, nb_h)  # [G, tiles1, 16, Hp]: gate rows 0-7, up rows 8-15
-    gate = phase1[:, :, : _ROWS // 2].reshape(g, tiles1 * _ROWS // 2, hp)[:, :inter, :hidden]
-    up = phase1[:, :, _ROWS // 2 :].reshape(g, tiles1 * _ROWS // 2, hp)[:, :inter, :hidden]
-    phase2 = _tile_rows(packed[:, down : down + tiles2 * _tile_bytes(fmt, nb_i)], fmt, tiles2, nb_i)
-    w2 = phase2.reshape(g, tiles2 * _ROWS, ip)[:, :hidden, :inter].contiguous()  # phase2: [G, tiles2, 16, Ip]
+    geo = Geometry.of(fmt, hidden, inter)
+    g, hp, ip, down = packed.shape[0], geo.nb_h * _BLOCK, geo.nb_i * _BLOCK, geo.down_offset
+    phase1 = _tile_rows(packed[:, :down], fmt, geo.tiles1, geo.nb_h)  # [G, tiles1, 16, Hp]: gate rows 0-7, up 8-15
+    gate = phase1[:, :, : _ROWS // 2].reshape(g, geo.tiles1 * _ROWS // 2, hp)[:, :inter, :hidden]
+    up = phase1[:, :, _ROWS // 2 :].reshape(g, geo.tiles1 * _ROWS // 2, hp)[:, :inter, :hidden]
+    phase2 = _tile_rows(packed[:, down : down + geo.tiles2 * geo.tile2], fmt, geo.tiles2, geo.nb_i)
+    w2 = phase2.reshape(g, geo.tiles2 * _ROWS, ip)[:, :hidden, :inter].contiguous()  # phase2: [G, tiles2, 16, Ip]
     return torch.cat((gate, up), dim=1), w2
 
 
