@@ -25,7 +25,7 @@ from tandem.models.loader import LAYER_INDEX
 from tandem.offload.hot_experts import ExpertCounts, choose_hot
 from tandem.offload.hot_online import INTERVAL as ONLINE_INTERVAL
 from tandem.offload.hot_online import ONLINE, initial_hot
-from tandem.offload.streaming import STREAMABLE_FORMATS, stream_memory, unpacked_bytes_per_expert
+from tandem.offload.streaming import stream_memory, unpacked_bytes_per_expert
 
 GiB = 1024**3
 MiB = 1024**2
@@ -225,10 +225,9 @@ def plan_placement(
     fixed = outside + sum(other.values()) + kv_min_bytes
     # Expert streaming's device buffers (streaming.py), planned whenever experts go to RAM. Its
     # groups run through torch._grouped_mm, bf16 on the GPU (cpu_executor.py's _streamer).
-    streams = (gpu_budget is not None and first is not None and offload.stream_experts != "off"
-               and fmt in STREAMABLE_FORMATS and dtype == torch.bfloat16)
-    stream_reserve = stream_memory(offload.stream_experts_memory, num_experts,
-                                   unpacked_bytes_per_expert(per_cpu, hidden, inter, dtype)) if streams else 0
+    streams = gpu_budget is not None and first is not None and offload.stream_experts != "off" and dtype == torch.bfloat16
+    stream_per_expert = unpacked_bytes_per_expert(per_cpu, hidden, inter, dtype)
+    stream_reserve = stream_memory(offload.stream_experts_memory, num_experts, stream_per_expert) if streams else 0
     stream_note = ""
 
     def gpu_need(cpu: set[int]) -> int:
@@ -242,11 +241,10 @@ def plan_placement(
             ram = blocks[i].num_experts * per_cpu if on_cpu else 0
             layers.append(LayerPlacement(i, i in blocks, ("cpu" if on_cpu else "gpu") if i in blocks else None, gpu, ram,
                                          experts.get(i, 0)))
-        if stream_reserve and any(i in blocks for i in cpu):
-            if problems:  # the shortfall counts the streaming buffers: say so, and how to shrink them
-                problems = (problems[0] + f" (the GPU part includes {stream_reserve / GiB:.2f} GiB of expert-streaming "
-                            "buffers: lower --stream-experts-memory or use --stream-experts off)", *problems[1:])
         in_ram = any(i in blocks for i in cpu)
+        if stream_reserve and in_ram and problems:  # the shortfall counts the streaming buffers: say so
+            problems = (problems[0] + f" (the GPU part includes {stream_reserve / GiB:.2f} GiB of expert-streaming "
+                        "buffers: lower --stream-experts-memory or use --stream-experts off)", *problems[1:])
         p = Placement(tuple(layers), fmt, reason + (stream_note if in_ram else ""), outside, num_experts, top_k,
                       hidden, inter, elem, problems, stream_bytes=stream_reserve if in_ram else 0)
         if offload.hot_experts is None or not p.cpu_layers:
@@ -289,9 +287,9 @@ def plan_placement(
     if stream_reserve and offload.stream_experts == "auto" and offload.stream_experts_memory is None:
         # Streaming is an optimisation: with no room for its default buffers beside every expert in
         # RAM, it gets one expert a group, or none; the model is served either way.
-        smallest = unpacked_bytes_per_expert(per_cpu, hidden, inter, dtype)
         if gpu_need(set(blocks)) > gpu_budget:
-            stream_reserve = smallest if gpu_need(set(blocks)) - stream_reserve + smallest <= gpu_budget else 0
+            fits = gpu_need(set(blocks)) - stream_reserve + stream_per_expert <= gpu_budget
+            stream_reserve = stream_per_expert if fits else 0
             stream_note = (f"; expert streaming gets {stream_reserve / GiB:.2f} GiB (one expert a copy)" if stream_reserve
                            else "; expert streaming off: no GPU memory left for its buffers")
     if offload.n_cpu_moe is not None:

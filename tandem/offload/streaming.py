@@ -198,9 +198,6 @@ class ExpertStreamer:
                  min_tokens: int) -> None:
         first = layers[min(layers)]
         self.fmt, self.hidden, self.inter = first.fmt, first.hidden_size, first.intermediate_size
-        if self.fmt not in STREAMABLE_FORMATS:
-            raise ValueError(f"--stream-experts: experts in RAM as {self.fmt} cannot be streamed yet (streamable: "
-                             f"{', '.join(STREAMABLE_FORMATS)}); use --stream-experts off")
         self.layers, self.device, self.dtype, self.min_tokens = layers, device, dtype, min_tokens
         self.num_experts, self.expert_bytes = first.num_experts, first.bytes_per_expert
         per_expert = unpacked_bytes_per_expert(self.expert_bytes, self.hidden, self.inter, dtype)
