@@ -386,7 +386,7 @@ class DeepseekV4Model(nn.Module):
         from the caches, runs the incremental reference on it and stores back what it added
         (deepseek_v4_paged.py); decode and verify steps (queries of at most `decode_max_query`
         tokens) run the sync-free path of deepseek_v4_decode.py instead, with `kernel` its attention,
-        indexer scores and mHC in Triton."""
+        compressor entries, indexer scores and mHC in Triton."""
         streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.hc_mult, -1)  # [T, N, H]
         if step.max_query_len <= self.decode_max_query:
             for layer, layer_caches in zip(self.layers, caches):
@@ -424,7 +424,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.model = DeepseekV4Model(args)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self._caches: tuple[tuple[LayerCache, ...], ...] | None = None
-        self._kernel = False  # decode attention in Triton (`set_attention_backend`)
+        self._kernel = False  # decode / verify steps in V4's Triton kernels (`set_attention_backend`)
         self.to(dtype)
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -463,7 +463,8 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def set_attention_backend(self, name: str) -> None:
         """"triton": decode / verify steps run V4's Triton kernels (CUDA): the attention (pages not in
-        fp8), the indexer's scores and the mHC; "torch": the torch reference of each."""
+        fp8), the compressors' entries, the indexer's scores and the mHC; "torch": the torch
+        reference of each."""
         if name not in self.attention_backends:
             raise ValueError(f"attention backend {name!r}: DeepSeek-V4 runs {', '.join(self.attention_backends)}")
         if name == "triton" and self.model.embed_tokens.weight.device.type != "cuda":
