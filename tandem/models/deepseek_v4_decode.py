@@ -15,7 +15,8 @@ Per compressed layer and token p (ratio m, ring of R = state_ring * m rows per r
 
 The first step after a prefix hit first copies the overlap snapshot into the ring (`restore_ids`).
 The attention itself is `deepseek_v4_paged_attention` (Triton, tandem/kernels/) on CUDA, or the
-gather below, which is the same math in torch and serves CPU and fp8 pages. Steps with a prefill
+gather below, which is the same math in torch and serves CPU and fp8 pages; step 2's entries are
+`deepseek_v4_compress_entries` on CUDA, or `pool_entries` below. Steps with a prefill
 chunk keep the reference path (deepseek_v4_paged.py): gathering a chunk's keys per token would be
 quadratic.
 """
