@@ -226,7 +226,9 @@ def test_on_cuda_online_swaps_land_between_steps_and_keep_the_tokens(model_dir) 
     """Online hot experts on CUDA: swaps copied on a side stream land at step boundaries. fp32
     (eager): the all-CPU run's tokens; bf16 in decode graphs (the counting and the swapped weights
     live in the captured buffers): the eager bf16 run's tokens."""
-    kw = dict(device="cuda", kv_cache_memory="64MiB", cpu_moe=True, hot_experts="online", hot_expert_memory="1MiB")
+    # 6 fp32 experts: 2 of each layer's 8 hot in fp32, 4 in bf16, so the real routing has something to swap in
+    kw = dict(device="cuda", kv_cache_memory="64MiB", cpu_moe=True, hot_experts="online",
+              hot_expert_memory=6 * 3 * 64 * 32 * 4)
     want = [o.token_ids for o in LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_memory="64MiB",
                                      cpu_moe=True).generate(PROMPTS, GREEDY)]
     llm = LLM(str(model_dir), dtype="float32", **kw)
