@@ -30,6 +30,8 @@ from tandem.cli_flags import VLLM_REFUSED as VLLM_REFUSED  # re-exported: `from 
 from tandem.cli_flags import FlagParser, HelpFormatter, add_accepted_flags, add_model_option
 from tandem.config import (
     BLOCK_SIZES,
+    DEFAULT_BATCHED_TOKENS,
+    MAX_AUTO_CHUNK,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -68,8 +70,10 @@ def _add_capacity_flags(p: argparse.ArgumentParser, batched_note: str = "") -> N
                    help="longest prompt + output, in tokens (default: the checkpoint's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
                    help="most requests running in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="most tokens computed in one step" + batched_note)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"most tokens computed in one step (default {DEFAULT_BATCHED_TOKENS}; when routed experts stream "
+                        "over PCIe for prefill, the chunk the streaming cost model chooses, up to "
+                        f"{MAX_AUTO_CHUNK})" + batched_note)
 
 
 def _add_offload_flags(p: argparse.ArgumentParser) -> None:
@@ -345,11 +349,13 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-logprobs must be in 0..{MAX_LOGPROBS} (Tandem returns at most {MAX_LOGPROBS} top "
                          f"logprobs per token), got {args.max_logprobs}")
     if not args.enable_chunked_prefill and (args.max_model_len is None
-                                            or args.max_model_len > args.max_num_batched_tokens):
+                                            or args.max_model_len > (args.max_num_batched_tokens
+                                                                     or DEFAULT_BATCHED_TOKENS)):
         # Without chunks a prompt longer than one step's token budget would wait forever.
         got = "none" if args.max_model_len is None else args.max_model_len
         raise ValueError("--no-enable-chunked-prefill prefills each prompt in one step, so it needs --max-model-len "
-                         f"at most --max-num-batched-tokens ({args.max_num_batched_tokens}); --max-model-len is {got}")
+                         f"at most --max-num-batched-tokens ({args.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS}); "
+                         f"--max-model-len is {got}")
     if args.generation_config not in ("auto", "vllm"):  # DIR: its file is read and checked before the model loads
         from tandem.tokenizer import read_generation_defaults
 

@@ -133,16 +133,31 @@ class CacheConfig:
         page_dtype_of(self.kv_cache_dtype)  # raises, naming the flag
 
 
+DEFAULT_BATCHED_TOKENS = 2048  # --max-num-batched-tokens when it is left out and no expert streams
+# The longest chunk auto gives a prefill step whose experts stream over PCIe (the memory plan
+# reserves its activations): on the H200 a 16K-token step of V4-Flash's expert shape already
+# computes longer than its experts take to copy (BENCHMARKS.md), so a longer one buys nothing.
+MAX_AUTO_CHUNK = 16384
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # None (auto): DEFAULT_BATCHED_TOKENS, or with routed experts streamed over PCIe for prefill the
+    # cost model's chunk (tandem/offload/streaming.py: stream_chunk). The engine resolves it at
+    # start-up; everything past that reads an int.
+    max_num_batched_tokens: int | None = None
     max_queued_requests: int = 1024
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+        if self.max_num_seqs <= 0 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0):
             raise ValueError("--max-num-seqs and --max-num-batched-tokens must be positive")
+
+    @property
+    def batched_tokens(self) -> int:
+        """The step's token budget, the default where auto has not been resolved yet."""
+        return self.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
 
 
 SPEC_METHODS = ("ngram", "draft_model", "dspark")  # wired into the engine

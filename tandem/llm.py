@@ -38,7 +38,7 @@ class LLM:
         device: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         kv_cache_memory: str | int | None = None,
         gpu_memory_utilization: float = 0.9,
         block_size: int = 16,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,6 +78,48 @@ def test_streamer_ring_gives_the_cpu_experts_results(limit) -> None:
             torch.testing.assert_close(s.run(i, x, ids, w, layer.swiglu_limit), layer(x, ids, w), rtol=1e-5, atol=1e-6)
     stats = s.stats()
     assert stats.layers == 6 and stats.bytes > 0
+    unpack, pair = s.time_device(None)  # it borrows slot 0: the ring must not think it holds a position
+    assert unpack > 0 and pair > 0 and s.holds[0] == -1
+    x, ids = torch.randn(20, H, generator=g), torch.rand(20, E, generator=g).argsort(-1)[:, :k]
+    w = torch.softmax(torch.randn(20, k, generator=g), -1)
+    torch.testing.assert_close(s.run(0, x, ids, w, limit), layers[0](x, ids, w), rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_from_the_cost_model() -> None:
+    # 3.4 GB a layer at 55 GB/s is a 61.8 ms copy; 4 ms of unpacking leaves 57.8 ms, which top-6
+    # at 1 us a pair fills at 9,636 tokens: 9,728 in steps of 256.
+    assert streaming.stream_chunk(3_400_000_000, 55e9, 4e-3, 1e-6, 6) == 9728
+    assert streaming.stream_chunk(1_000, 55e9, 1.0, 1e-6, 6) == 256  # the GPU's fixed work already fills the copy
+    with pytest.raises(ValueError, match="positive"):
+        streaming.stream_chunk(1, 55e9, 0.0, 0.0, 6)
+    copy = 3_400_000_000 / 55e9
+    assert streaming.streamed_step_seconds(2048, 43, 3_400_000_000, 55e9, 4e-3, 1e-6, 6) == pytest.approx(43 * copy)
+    assert streaming.streamed_step_seconds(32768, 2, 3_400_000_000, 55e9, 4e-3, 1e-6, 6) == pytest.approx(
+        2 * (4e-3 + 32768 * 6e-6))  # past the knee the GPU's work counts
+
+
+def test_auto_batched_tokens_is_the_streamers_chunk_within_the_plan(tmp_path, monkeypatch) -> None:
+    from tandem.config import DEFAULT_BATCHED_TOKENS
+    from tandem.engine import startup
+
+    save_tiny_model(tmp_path, "qwen3_moe", seed=5, num_hidden_layers=2)
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory="16MiB", cpu_moe=True, stream_experts="on")
+    llm = LLM(str(tmp_path), stream_experts_min_tokens=300, **kw)
+    engine = llm.engine
+    assert engine.config.scheduler.max_num_batched_tokens == DEFAULT_BATCHED_TOKENS  # no PCIe measured: the default
+    assert LLM(str(tmp_path), max_num_batched_tokens=64, **kw).engine.config.scheduler.max_num_batched_tokens == 64
+    sink = engine.model.cpu_experts
+    layer = next(iter(sink.layers.values()))
+    sink.streamer.h2d = layer.nbytes / 0.01  # a 10 ms copy a layer: 2 ms unpacking, 1 us a pair
+    monkeypatch.setattr(sink.streamer, "time_device", lambda limit: (2e-3, 1e-6))
+    auto = replace(engine.config, scheduler=replace(engine.config.scheduler, max_num_batched_tokens=None))
+    knee = streaming.stream_chunk(layer.nbytes, sink.streamer.h2d, 2e-3, 1e-6, sink.top_k)
+    assert knee == math.ceil(8e-3 / (sink.top_k * 1e-6) / 256) * 256  # 8 ms of the copy left for the pairs
+    assert startup.batched_tokens(auto, engine.model, 1 << 20, 1 << 20) == knee
+    assert startup.batched_tokens(auto, engine.model, 512, 1 << 20) == 512  # the plan's activations cap it
+    assert startup.batched_tokens(auto, engine.model, 1 << 20, 400) == 400  # and --max-model-len
+    sink.streamer.min_tokens = knee + 1000  # a chunk below the threshold would not stream
+    assert startup.batched_tokens(auto, engine.model, 1 << 20, 1 << 20) == knee + 1000
 
 
 def test_threshold_from_the_cost_model() -> None:
@@ -163,6 +207,8 @@ def test_on_cuda_the_ring_streams_over_pcie_and_gives_the_cpu_experts_results() 
             torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
     stats = s.stats()
     assert stats.layers == 6 and stats.bytes == 2 * 3 * E * layers[0].bytes_per_expert and stats.seconds > 0
+    unpack, pair = s.time_device(None)  # the chunk's cost model, timed on the GPU
+    assert 0 < unpack < 1 and 0 < pair < 1e-3 and s.holds[0] == -1
 
 
 def test_deepseek_v4_streams_with_its_swiglu_clamp(tmp_path) -> None:

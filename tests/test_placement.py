@@ -173,6 +173,26 @@ def test_measured_plan_predicts_decode_and_streamed_prefill(tmp_path):
     assert "expert streaming" not in off.render()
 
 
+def test_auto_batched_tokens_plans_a_streamed_chunk_only_when_the_experts_stream(tmp_path):
+    from tandem.config import DEFAULT_BATCHED_TOKENS, MAX_AUTO_CHUNK
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(CONFIG))
+    kw = dict(device_bytes=8 * GiB, max_model_len=32768)
+    streamed = plan_memory(cfg, torch.bfloat16, "cuda", offload=OffloadConfig(cpu_moe=True), **kw)
+    off = plan_memory(cfg, torch.bfloat16, "cuda", offload=OffloadConfig(cpu_moe=True, stream_experts="off"), **kw)
+    on_gpu = plan_memory(cfg, torch.bfloat16, "cuda", **kw)
+    assert streamed.placement.stream_bytes and streamed.chunk_tokens == MAX_AUTO_CHUNK
+    assert off.chunk_tokens == on_gpu.chunk_tokens == DEFAULT_BATCHED_TOKENS
+    assert streamed.activation_bytes > off.activation_bytes  # the longer chunk's activations are reserved
+    short = plan_memory(cfg, torch.bfloat16, "cuda", offload=OffloadConfig(cpu_moe=True), device_bytes=8 * GiB,
+                        max_model_len=4096)
+    assert short.chunk_tokens == 4096  # never past --max-model-len
+    given = plan_memory(cfg, torch.bfloat16, "cuda", offload=OffloadConfig(cpu_moe=True), max_num_batched_tokens=512,
+                        **kw)
+    assert given.chunk_tokens == 512
+
+
 def test_a_drafter_takes_its_share_of_the_gpu():
     from tandem.builtin import DEMO_DIR
     from tandem.config import SpecConfig

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import numbers
 import time
+from dataclasses import replace
 from itertools import accumulate
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -86,9 +87,10 @@ class LLMEngine:
         logger.info("Sampling defaults for fields a request leaves out: %s (--generation-config %s)",
                     ", ".join(f"{k} {v}" for k, v in defaults.items()) or "Tandem's own", mc.generation_config)
         self.model_name = mc.served_model_name or Path(mc.model).resolve().name
+        planned = None  # the step's token budget the memory plan is for (a model given: not planned here)
         if model is None:
             info = inspect_checkpoint(mc.model)  # validates every file before memory is touched
-            sink = startup.plan_placement(config, self.device, info)  # where the routed experts go
+            sink, planned = startup.plan_placement(config, self.device, info)  # where the routed experts go
             model = load_checkpoint(mc.model, mc.dtype, self.device, sink=sink, info=info)[0]
         self.model = model
         self.runner_config = startup.fit_to_model(config.runner, config.runner.resolve(self.device.type, mc.dtype),
@@ -98,6 +100,8 @@ class LLMEngine:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.vocab_size = int(self.model.hf_config["vocab_size"])
         self.max_model_len = mc.max_model_len or self.model.max_position_embeddings
+        tokens = startup.batched_tokens(config, model, planned, self.max_model_len)  # auto resolved from here on
+        config = self.config = replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=tokens))
         if mc.max_model_len and mc.max_model_len > self.model.max_position_embeddings:
             logger.warning(
                 "--max-model-len %d exceeds the model's max_position_embeddings %d; outputs past it "

@@ -105,7 +105,7 @@ class Scheduler:
         prefill (request id -> draft); each is scheduled after its request's last token, cut to
         the token budget, and dropped when its slots do not fit (a draft never preempts)."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.batched_tokens
         scheduled_ids: set[str] = set()
         drafts = drafts or {}
 

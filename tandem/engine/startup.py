@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from tandem.config import EngineConfig, RunnerConfig, SpecConfig
+from tandem.config import DEFAULT_BATCHED_TOKENS, EngineConfig, RunnerConfig, SpecConfig
 from tandem.core import Request, SamplingParams
 from tandem.engine.runner import ModelRunner, allocate_kv_caches
 from tandem.kv.groups import group_blocks
@@ -56,10 +56,12 @@ def check_spec_fits_the_model(model: CausalLM, sc: SpecConfig) -> None:
                          f"compressed cache rolls back at most {min(ratios)} tokens a step; use at most that")
 
 
-def plan_placement(config: EngineConfig, device: torch.device, info: CheckpointInfo) -> OffloadedExperts | None:
+def plan_placement(config: EngineConfig, device: torch.device, info: CheckpointInfo
+                   ) -> tuple[OffloadedExperts | None, int]:
     """Plan where the routed experts go (tandem/offload/placement.py) before memory is touched;
     refuse, naming the shortfall and the flag, a placement that fits neither GPU nor RAM.
-    Returns the loader's hook for experts in RAM, or None when they all stay on the device."""
+    Returns the loader's hook for experts in RAM (None when they all stay on the device) and the
+    step's token budget the plan is for (`plan_memory`'s chunk_tokens: auto resolved)."""
     cfg, mc = config, config.model
     plan = plan_memory(
         mc.model, mc.dtype, device.type, max_model_len=mc.max_model_len,
@@ -76,12 +78,27 @@ def plan_placement(config: EngineConfig, device: torch.device, info: CheckpointI
     if placement.num_experts:
         logger.info("Expert placement: %s", placement.reason)
     if not placement.offloaded:
-        return None
+        return None, plan.chunk_tokens
     if placement.lossy:
         logger.warning("--cpu-moe-dtype %s is a LOSSY conversion of the checkpoint's expert weights",
                        placement.cpu_format)
-    rows = max(cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs * (1 + cfg.spec.max_k))
-    return OffloadedExperts(placement, cfg.offload.cpu_moe_threads, staging_rows=rows, offload=cfg.offload)
+    rows = max(plan.chunk_tokens, cfg.scheduler.max_num_seqs * (1 + cfg.spec.max_k))
+    sink = OffloadedExperts(placement, cfg.offload.cpu_moe_threads, staging_rows=rows, offload=cfg.offload)
+    return sink, plan.chunk_tokens
+
+
+def batched_tokens(config: EngineConfig, model: CausalLM, planned: int | None, max_model_len: int) -> int:
+    """The step's token budget: --max-num-batched-tokens, else (auto) the expert streamer's
+    chunk (its cost model, up to what the memory plan reserved activations for: `planned`, or the
+    CPU experts' staging rows for a model built outside the engine), else the default."""
+    asked = config.scheduler.max_num_batched_tokens
+    if asked is not None:
+        return asked
+    sink = getattr(model, "cpu_experts", None)
+    if sink is None or sink.streamer is None or sink.streamer.h2d is None:
+        return DEFAULT_BATCHED_TOKENS
+    cap = min(planned or sink.staging_rows, max_model_len)
+    return sink.prefill_chunk(cap)
 
 
 def _check_weights_fit(config: EngineConfig, device: torch.device, weights_bytes: int) -> None:

@@ -152,6 +152,7 @@ class OffloadedExperts:
         self.layers_in_ram = set(placement.cpu_layers)
         self.threads = threads
         self.staging_rows = staging_rows
+        self.top_k = 0  # the offloaded layers' experts a token (install)
         self.layers: dict[int, CpuExpertLayer] = {}
         self._pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.staging: Staging | None = None
@@ -263,25 +264,44 @@ class OffloadedExperts:
             logger.info("Expert streaming off: the memory plan left no GPU memory for its buffers (%s)",
                         self.placement.reason)
             return None
+        self.top_k = blocks[min(self.layers)].top_k
         min_tokens, h2d = cfg.stream_experts_min_tokens, None
-        if min_tokens is None and device.type != "cuda":
-            min_tokens = 1
-        if min_tokens is None:
-            min_tokens, h2d = streaming.measured_threshold(layer, blocks[min(self.layers)].top_k, device)
+        if device.type != "cuda":
+            min_tokens = min_tokens or 1  # a CPU run: no PCIe, no cost model
+        elif min_tokens is None:
+            min_tokens, h2d = streaming.measured_threshold(layer, self.top_k, device)
+        else:  # the threshold given; the chunk's cost model still wants the bandwidth
+            from tandem.offload.measure import h2d_bandwidth
+
+            h2d = h2d_bandwidth(device)
         per_expert = streaming.unpacked_bytes_per_expert(layer.bytes_per_expert, layer.hidden_size,
                                                          layer.intermediate_size, dtype)
         memory = self.placement.stream_bytes or streaming.stream_memory(cfg.stream_experts_memory, layer.num_experts,
                                                                         per_expert)  # a CPU run plans no GPU
-        streamer = streaming.ExpertStreamer(self.layers, device, dtype, memory, min_tokens)
+        streamer = streaming.ExpertStreamer(self.layers, device, dtype, memory, min_tokens, h2d)
         logger.info("Expert streaming: %s", streamer.describe())
-        if h2d:  # what the chunk size means for a long prompt: every chunk pays one pass of the experts
-            total = sum(x.nbytes for x in self.layers.values())
-            chunk = self.staging_rows
-            logger.info("Expert streaming: a streamed step copies %.1f GB (%.2f s at %.1f GB/s), so prefill in chunks of "
-                        "%d tokens (--max-num-batched-tokens) runs at most ~%.0f tok/s; chunks of %d would give ~%.0f",
-                        total / 1e9, total / h2d, h2d / 1e9, chunk, chunk * h2d / total, 8 * chunk,
-                        8 * chunk * h2d / total)
         return streamer
+
+    def prefill_chunk(self, cap: int) -> int:
+        """--max-num-batched-tokens auto with streaming: `stream_chunk` from the PCIe bandwidth
+        measured at start-up and the device's unpack and grouped-GEMM times, measured now (well
+        under a second); at most `cap` tokens. Logged with the prediction it makes."""
+        from tandem.offload import streaming
+
+        s = self.streamer
+        assert s is not None and s.h2d is not None, "prefill_chunk needs a streamer with a measured bandwidth"
+        layer = self.layers[s.order[0]]
+        unpack, pair = s.time_device(layer.swiglu_limit)
+        knee = streaming.stream_chunk(layer.nbytes, s.h2d, unpack, pair, self.top_k)
+        chunk = min(cap, max(knee, s.min_tokens))  # a chunk below the threshold would not stream
+        step = streaming.streamed_step_seconds(chunk, len(s.order), layer.nbytes, s.h2d, unpack, pair, self.top_k)
+        logger.info("Prefill chunk: %d tokens a step (--max-num-batched-tokens auto: at most %d, streaming from %d). "
+                    "A streamed step copies each layer's %.2f GB of experts in %.1f ms (%.1f GB/s); the GPU's expert "
+                    "work (unpack %.1f ms a layer, then %.3f us a token-expert pair) fills that at %d tokens. "
+                    "Predicted: %.2f s of expert time a chunk, prefill at most ~%.0f tok/s", chunk, cap, s.min_tokens,
+                    layer.nbytes / 1e9, 1e3 * layer.nbytes / s.h2d, s.h2d / 1e9, 1e3 * unpack, 1e6 * pair, knee,
+                    step, chunk / step)
+        return chunk
 
     def _hot_expert(self, layer: int, expert: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
         module = copy.deepcopy(self._templates[layer]).to_empty(device=device).to(dtype).requires_grad_(False)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import OffloadConfig, SpecConfig
+from tandem.config import DEFAULT_BATCHED_TOKENS, MAX_AUTO_CHUNK, OffloadConfig, SpecConfig
 from tandem.kv.groups import kv_bytes_per_token, kv_cache_bytes
 from tandem.kv.spec import CacheGroup, group_layers, page_dtype_of, with_page_dtype
 from tandem.models.loader import (
@@ -144,9 +144,9 @@ class MemoryPlan:
         if p.stream_bytes and p.cpu_bytes:  # a streamed chunk is bound by one pass of the experts over PCIe
             seconds = p.cpu_bytes / m.h2d
             lines.append(f"  predicted prefill with expert streaming: at most {self.chunk_tokens / seconds:7.0f} tok/s "
-                         f"in chunks of {self.chunk_tokens} tokens (each copies {p.cpu_bytes / GiB:.2f} GiB of experts, "
-                         f"{seconds:.2f} s); {8 * self.chunk_tokens / seconds:.0f} tok/s in chunks of "
-                         f"{8 * self.chunk_tokens} (--max-num-batched-tokens)")
+                         f"in chunks of {self.chunk_tokens} tokens (--max-num-batched-tokens; each chunk copies "
+                         f"{p.cpu_bytes / GiB:.2f} GiB of experts, {seconds:.2f} s; the engine's cost model may "
+                         "choose a shorter one, under auto)")
         return lines
 
 
@@ -157,7 +157,7 @@ def plan_memory(
     *,
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
+    max_num_batched_tokens: int | None = None,
     block_size: int = 16,
     gpu_memory_utilization: float = 0.9,
     kv_cache_memory: int | None = None,
@@ -176,7 +176,9 @@ def plan_memory(
     experts may go to RAM (see placement.py); `machine` (measured bandwidths) adds a predicted
     decode speed; a draft model or DSpark drafter in `spec` takes its weights' share of the GPU.
     `info` is the caller's inspection of the checkpoint (the engine's, its tokenizer already read):
-    not repeated."""
+    not repeated. `max_num_batched_tokens` None is auto: DEFAULT_BATCHED_TOKENS, or MAX_AUTO_CHUNK
+    when the experts in RAM stream for prefill (the engine's cost model picks a chunk up to that;
+    the plan's `chunk_tokens` says which the activations were planned for)."""
     path = Path(model_dir)
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
@@ -205,20 +207,27 @@ def plan_memory(
     groups = with_page_dtype(group_layers(model.kv_cache_specs()), page_dtype_of(kv_cache_dtype))
     max_len = max_model_len or model.max_position_embeddings
     kv_per_token, kv_min = _kv_geometry(groups, block_size, max_len)
-    activation = 0
-    if device == "cuda":
-        if device_bytes is None:
-            if not torch.cuda.is_available():
-                raise ValueError("planning for CUDA without a GPU here: pass --gpu-memory (e.g. 24GiB)")
-            device_bytes = torch.cuda.mem_get_info()[1]
-        activation = CUDA_OVERHEAD + _activation_estimate(config, min(max_num_batched_tokens, max_len),
-                                                          max_num_seqs, elem)
+    if device == "cuda" and device_bytes is None:
+        if not torch.cuda.is_available():
+            raise ValueError("planning for CUDA without a GPU here: pass --gpu-memory (e.g. 24GiB)")
+        device_bytes = torch.cuda.mem_get_info()[1]
     offload = offload or OffloadConfig()
     drafter = drafter_bytes(spec, path, elem) if spec is not None and not config_only else 0
     if drafter:
         weights[DRAFTER] = drafter
-    gpu_budget = int(gpu_memory_utilization * device_bytes) - activation - drafter if device == "cuda" else None
-    placement = plan_placement(model, dtype, offload, gpu_budget, kv_min)
+
+    def place(chunk: int) -> tuple[int, int | None, Placement]:  # activations, GPU budget, placement
+        activation = 0
+        if device == "cuda":
+            activation = CUDA_OVERHEAD + _activation_estimate(config, min(chunk, max_len), max_num_seqs, elem)
+        budget = int(gpu_memory_utilization * device_bytes) - activation - drafter if device == "cuda" else None
+        return activation, budget, plan_placement(model, dtype, offload, budget, kv_min)
+
+    chunk = max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
+    activation, gpu_budget, placement = place(chunk)
+    if max_num_batched_tokens is None and placement.offloaded and placement.stream_bytes:
+        chunk = min(MAX_AUTO_CHUNK, max_len)  # a streamed chunk's activations, planned for the longest auto picks
+        activation, gpu_budget, placement = place(chunk)
     problems = list(placement.problems)
     if placement.offloaded:  # the experts' bytes in RAM, in the CPU format
         weights.pop("routed experts", None)
@@ -240,7 +249,7 @@ def plan_memory(
         )
     kv_tokens = 0
     try:
-        kv_tokens = kv_capacity(groups, budget, block_size, max_len, max_num_seqs, batch_tokens=max_num_batched_tokens)
+        kv_tokens = kv_capacity(groups, budget, block_size, max_len, max_num_seqs, batch_tokens=chunk)
     except MemoryError as e:
         if not placement.problems:  # the placement's message already says the KV cache does not fit
             problems.append(str(e))
@@ -255,7 +264,7 @@ def plan_memory(
     return MemoryPlan(path, model_type, dtype, device, weights, kv_per_token, max_len,
                       max_num_seqs, device_bytes, activation, budget, kv_tokens, problems, config_only,
                       placement, machine, tuple(offload_problems), _group_lines(groups, block_size, max_len),
-                      max_num_batched_tokens)
+                      chunk)
 
 
 def gpu_weight_bytes(weights: dict[str, int]) -> int:

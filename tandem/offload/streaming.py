@@ -177,6 +177,29 @@ def measured_threshold(layer: CpuExpertLayer, top_k: int, device: torch.device) 
     return tokens, h2d
 
 
+CHUNK_ROUND = 256  # stream_chunk's granularity
+
+
+def stream_chunk(layer_bytes: int, h2d: float, unpack_seconds: float, pair_seconds: float, top_k: int) -> int:
+    """The prefill chunk (tokens a step) for streamed experts. A streamed step costs each
+    offloaded layer max(copy, unpack + tokens * top_k * pair_seconds): the copy of its experts
+    (`layer_bytes` at `h2d`) is the same for any chunk, so more tokens a step are free until the
+    GPU's expert work (`unpack_seconds` a layer, `pair_seconds` a (token, expert) pair) fills it;
+    past that a longer chunk buys no speed, only delays the decodes sharing its step and takes
+    activation memory. Returns where the two meet, rounded up to 256 tokens (at least 256)."""
+    if h2d <= 0 or pair_seconds <= 0 or top_k <= 0:
+        raise ValueError(f"bandwidth, pair time and top_k must be positive, got {h2d}, {pair_seconds}, {top_k}")
+    spare = layer_bytes / h2d - unpack_seconds  # the copy time the GPU's fixed work leaves
+    return max(1, math.ceil(max(spare, 0.0) / (top_k * pair_seconds) / CHUNK_ROUND)) * CHUNK_ROUND
+
+
+def streamed_step_seconds(tokens: int, layers: int, layer_bytes: int, h2d: float, unpack_seconds: float,
+                          pair_seconds: float, top_k: int) -> float:
+    """`stream_chunk`'s model of a streamed step's expert time: per layer the copy or the GPU's
+    expert work, whichever is longer (attention and the dense parts not counted)."""
+    return layers * max(layer_bytes / h2d, unpack_seconds + tokens * top_k * pair_seconds)
+
+
 @dataclass(frozen=True)
 class StreamStats:
     """Bytes sent over PCIe since `reset_stats`, and the copy stream's seconds from the first
@@ -195,8 +218,9 @@ class ExpertStreamer:
     """The ring, the copy stream and the decision, shared by every offloaded layer (module docstring)."""
 
     def __init__(self, layers: dict[int, CpuExpertLayer], device: torch.device, dtype: torch.dtype, memory: int,
-                 min_tokens: int) -> None:
+                 min_tokens: int, h2d: float | None = None) -> None:
         first = layers[min(layers)]
+        self.h2d = h2d  # bytes/s the cost model measured (None: given --stream-experts-min-tokens, or a CPU run)
         self.fmt, self.hidden, self.inter = first.fmt, first.hidden_size, first.intermediate_size
         self.layers, self.device, self.dtype, self.min_tokens = layers, device, dtype, min_tokens
         self.num_experts, self.expert_bytes = first.num_experts, first.bytes_per_expert
@@ -228,6 +252,28 @@ class ExpertStreamer:
         return (f"steps of >= {self.min_tokens} tokens stream the experts of {len(self.order)} layers over "
                 f"{'PCIe' if self.cuda else 'memory (CPU run)'}, {self.group} experts a copy through {SLOTS} buffers "
                 f"({self.device_bytes / 2**30:.2f} GiB on {self.device})")
+
+    def time_device(self, limit: float | None, rows_per_expert: int = 512, repeats: int = 3) -> tuple[float, float]:
+        """(seconds to unpack one layer's experts, seconds per (token, expert) pair of their
+        grouped GEMMs) on the device, timed now on the first layer's first experts (up to 16 of
+        them, `rows_per_expert` rows each: a long chunk's density) in ring slot 0."""
+        from tandem.engine.runner import seconds_per_call
+
+        n = min(self.group, 16)
+        packed = self.buffers[0, : n * self.expert_bytes].view(n, self.expert_bytes)
+        packed.copy_(self.layers[self.order[0]].data[:n])
+        self.holds[0] = -1  # slot 0 holds no position's experts now
+        g = torch.Generator(device=self.device).manual_seed(0)
+        x = (torch.randn(n * rows_per_expert, self.hidden, generator=g, device=self.device) * 0.1).to(self.dtype)
+        offs = torch.arange(1, n + 1, dtype=torch.int32, device=self.device) * rows_per_expert
+
+        def unpack() -> tuple[torch.Tensor, torch.Tensor]:
+            return unpack_experts(packed, self.fmt, self.hidden, self.inter, self.dtype)
+
+        unpack_s = seconds_per_call(unpack, self.device, repeats, warm_up=True)
+        w13, w2 = unpack()
+        rows_s = seconds_per_call(lambda: expert_rows(x, w13, w2, offs, limit), self.device, repeats, warm_up=True)
+        return unpack_s * self.num_experts / n, rows_s / (n * rows_per_expert)
 
     def wants(self, num_tokens: int) -> bool:
         """Whether a call of `num_tokens` rows streams (decided on the host from its shape; never
