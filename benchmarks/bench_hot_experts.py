@@ -16,9 +16,17 @@ replaced by draws from a recorded distribution:
   * the calibration file the planner picks hot experts from is drawn the same way with seed 1 (so
     the cache is chosen from a sample, not from the rows the run will read).
 
-Both runs in one process on the same weights: no cache, then `--hot-gib` of hot experts (from the
-calibration draw, or learned online with `--online`); decode tok/s at each batch, and the hit rate
-measured (over each decode run, and since start) against the one the planner predicted.
+The runs, in one process on the same weights, follow `--order` (default none,hot,none: the cached
+run bracketed by two uncached ones, so warm-up and drift show as the two differing): no cache, or
+`--hot-gib` of hot experts (from the calibration draw, or learned online with `--online`). Decode
+tok/s at each batch is the median of `--reps` runs, with the hit rate measured over them (and
+since start) against the one the planner predicted.
+
+What the hit rate predicts: in each uncached run, a decode graph is replayed with the CPU experts
+computing the batch's rows and with none (the host nodes still run; the kernel is told 0 live
+rows), so their difference is the step's CPU expert time t_cpu. The cache takes a share h of the
+(token, expert) pairs off the CPU, so a step of t0 (the measured decode step) should take
+t0 - h * t_cpu: the predicted gain is t0 / (t0 - h * t_cpu), against the measured one.
 
     python benchmarks/bench_hot_experts.py --layers 8 --hot-gib 8 --out hot.json     # V4-Flash expert shape
     python benchmarks/bench_hot_experts.py --shape tiny --device cpu --hot-gib 0.0002 --batches 1,2   # smoke
@@ -110,6 +118,43 @@ def build(cfg: dict, path: Path, device: str, dtype: torch.dtype, offload: Offlo
     return model, sink, placement
 
 
+def cpu_expert_seconds(engine, batch: int, repeats: int = 20) -> tuple[float, float]:  # noqa: ANN001
+    """A decode graph's replay at `batch` with the CPU experts computing the batch's rows, and with
+    none (0 live rows): the module docstring's t_cpu is their difference."""
+    from tandem.engine.runner import seconds_per_call
+
+    runner = engine.runner
+    key = min(k for k in runner.graphs if k[0] >= batch and k[1] == 1)
+    graph, live = runner.graphs[key].graph, runner._live_rows
+
+    def replay(rows: int) -> None:
+        live.fill_(rows)
+        graph.replay()
+
+    full = seconds_per_call(lambda: replay(batch), engine.device, repeats, warm_up=True)
+    none = seconds_per_call(lambda: replay(0), engine.device, repeats, warm_up=True)
+    return full, none
+
+
+def predicted_gains(runs: list[dict], batches: list[int]) -> list[dict]:
+    """Per batch: the hit rate's predicted decode gain against the measured one (module docstring),
+    the uncached runs averaged."""
+    rows = []
+    for b in batches:
+        plain = [r2 for r in runs if not r["hot_gib"] for r2 in r["decode"] if r2["batch"] == b and "replay_s" in r2]
+        cached = [r2 for r in runs if r["hot_gib"] for r2 in r["decode"] if r2["batch"] == b]
+        if not plain or not cached:
+            continue
+        tok_s = sum(r["decode_tok_s"] for r in plain) / len(plain)
+        t0 = b / tok_s  # the uncached decode step, host included
+        t_cpu = sum(r["replay_s"] - r["replay_no_cpu_experts_s"] for r in plain) / len(plain)
+        hit = cached[0]["hit_rate"]
+        rows.append({"batch": b, "hit_rate": hit, "t0_s": t0, "t_cpu_s": t_cpu,
+                     "predicted_gain": t0 / (t0 - hit * t_cpu), "measured_gain": cached[0]["decode_tok_s"] / tok_s,
+                     "uncached_tok_s": [r["decode_tok_s"] for r in plain]})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=("v4-flash-experts", "qwen3-30b-a3b", "tiny"), default="v4-flash-experts")
@@ -120,7 +165,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--hot-gib", type=float, default=8.0, help="--hot-expert-memory of the cached run")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--hot-first", action="store_true", help="run the cached configuration before the uncached one")
+    ap.add_argument("--order", default="none,hot,none", help="the runs in turn: none (no cache) or hot")
+    ap.add_argument("--reps", type=int, default=3, help="timed decode runs per batch (the median counts)")
     ap.add_argument("--online", action="store_true",
                     help="the cached run learns its hot set online (--hot-experts online) instead of from the "
                          "calibration draw; it decodes --online-warmup tokens first")
@@ -140,7 +186,7 @@ def main() -> None:
         counts_file = Path(tmp) / "counts.json"
         ExpertCounts("bench", ROWS, {i: tuple(torch.bincount(t.flatten(), minlength=cfg["num_experts"]).tolist())
                                      for i, t in calib.items()}).save(counts_file)
-        for hot in (args.hot_gib, 0.0) if args.hot_first else (0.0, args.hot_gib):
+        for hot in [args.hot_gib if name == "hot" else 0.0 for name in args.order.split(",")]:
             source = "online" if args.online else str(counts_file)
             offload = OffloadConfig(cpu_moe=True, cpu_moe_threads=args.threads, stream_experts="off",
                                     **({"hot_experts": source, "hot_expert_memory": int(hot * 2**30)} if hot else {}))
@@ -158,13 +204,20 @@ def main() -> None:
             for b in batches:
                 run_decode(engine, b, args.prompt, 4, seed=100 + b)  # warm-up
                 before = [(int(ex.hits), int(ex.pairs)) for ex in sink.hot_executors.values()]
-                r = run_decode(engine, b, args.prompt, args.new_tokens, seed=b)
+                reps = [run_decode(engine, b, args.prompt, args.new_tokens, seed=b + 1000 * i) for i in range(args.reps)]
                 after = [(int(ex.hits), int(ex.pairs)) for ex in sink.hot_executors.values()]
+                r = sorted(reps, key=lambda x: x["decode_tok_s"])[len(reps) // 2]
+                r["decode_tok_s_reps"] = [x["decode_tok_s"] for x in reps]
                 pairs = sum(a[1] - b0[1] for a, b0 in zip(after, before))
                 r["hit_rate"] = sum(a[0] - b0[0] for a, b0 in zip(after, before)) / pairs if pairs else 0.0
+                if not hot and engine.runner.graphs:
+                    r["replay_s"], r["replay_no_cpu_experts_s"] = cpu_expert_seconds(engine, b)
                 run["decode"].append(r)
-                print(f"hot {hot:g} GiB, batch {b}: {r['decode_tok_s']:.2f} tok/s ({r['graph_steps']}/{r['steps']} "
-                      f"in graphs), hit rate {100 * r['hit_rate']:.1f}% in this run", flush=True)
+                split = (f"; a replay {1e3 * r['replay_s']:.2f} ms, {1e3 * r['replay_no_cpu_experts_s']:.2f} ms with no "
+                         "CPU expert rows" if "replay_s" in r else "")
+                print(f"hot {hot:g} GiB, batch {b}: {r['decode_tok_s']:.2f} tok/s (median of "
+                      f"{', '.join(f'{x:.1f}' for x in r['decode_tok_s_reps'])}; {r['graph_steps']}/{r['steps']} in "
+                      f"graphs), hit rate {100 * r['hit_rate']:.1f}% in this run{split}", flush=True)
             rates = sink.hot_hit_rates()
             run["measured_hit_rate"] = sum(rates.values()) / len(rates) if rates else 0.0
             print(f"hot {hot:g} GiB: {run['hot_experts']} hot experts, hit rate predicted "
@@ -172,6 +225,12 @@ def main() -> None:
             results["runs"].append(run)
             del engine, model, sink
             free_device_memory()
+    results["predicted_vs_measured"] = predicted_gains(results["runs"], batches)
+    for row in results["predicted_vs_measured"]:
+        print(f"batch {row['batch']}: hit rate {100 * row['hit_rate']:.1f}%, CPU experts {1e3 * row['t_cpu_s']:.2f} of "
+              f"{1e3 * row['t0_s']:.2f} ms a step -> predicted {row['predicted_gain']:.3f}x, measured "
+              f"{row['measured_gain']:.3f}x (uncached runs {', '.join(f'{x:.1f}' for x in row['uncached_tok_s'])} "
+              "tok/s)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
