@@ -183,6 +183,7 @@ def test_plan_of_deepseek_v4_flash_from_its_config(tmp_path) -> None:
     plan = plan_memory(cfg, torch.bfloat16, "cuda", device_bytes=32 * GiB, max_model_len=1 << 20, max_num_seqs=1,
                        offload=OffloadConfig(cpu_moe=True, cpu_moe_dtype="mxfp4", cpu_memory=256 * GiB))
     assert plan.fits, plan.problems
+    assert plan.chunk_tokens == 8192  # auto: 16K chunks' activations would not leave room for 1M tokens of cache
     assert 130 * GiB < plan.weights["routed experts in RAM (mxfp4)"] < 140 * GiB  # 43 x 256 x 13.4 MB
     assert plan.placement.cpu_layers == tuple(range(43)) and plan.placement.gpu_bytes < 16 * GiB
     text = plan.render()

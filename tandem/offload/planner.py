@@ -176,9 +176,9 @@ def plan_memory(
     experts may go to RAM (see placement.py); `machine` (measured bandwidths) adds a predicted
     decode speed; a draft model or DSpark drafter in `spec` takes its weights' share of the GPU.
     `info` is the caller's inspection of the checkpoint (the engine's, its tokenizer already read):
-    not repeated. `max_num_batched_tokens` None is auto: DEFAULT_BATCHED_TOKENS, or MAX_AUTO_CHUNK
-    when the experts in RAM stream for prefill (the engine's cost model picks a chunk up to that;
-    the plan's `chunk_tokens` says which the activations were planned for)."""
+    not repeated. `max_num_batched_tokens` None is auto: DEFAULT_BATCHED_TOKENS, or up to
+    MAX_AUTO_CHUNK when the experts in RAM stream for prefill (the engine's cost model picks a chunk
+    up to that; the plan's `chunk_tokens` says which the activations were planned for)."""
     path = Path(model_dir)
     elem = torch.empty((), dtype=dtype).element_size()
     weights: dict[str, int] = {}
@@ -226,8 +226,16 @@ def plan_memory(
     chunk = max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
     activation, gpu_budget, placement = place(chunk)
     if max_num_batched_tokens is None and placement.offloaded and placement.stream_bytes:
-        chunk = min(MAX_AUTO_CHUNK, max_len)  # a streamed chunk's activations, planned for the longest auto picks
-        activation, gpu_budget, placement = place(chunk)
+        # A streamed chunk's activations: planned for the longest chunk auto may pick (MAX_AUTO_CHUNK,
+        # else half, else a quarter) whose placement still fits and streams; never a plan the
+        # default chunk fits and a longer one does not.
+        for longer in sorted({min(MAX_AUTO_CHUNK >> i, max_len) for i in range(3)}, reverse=True):
+            if longer <= chunk:
+                break
+            planned = place(longer)
+            if planned[2].stream_bytes and not planned[2].problems:
+                chunk, (activation, gpu_budget, placement) = longer, planned
+                break
     problems = list(placement.problems)
     if placement.offloaded:  # the experts' bytes in RAM, in the CPU format
         weights.pop("routed experts", None)
