@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.core import GroupState, StepMetadata
@@ -107,6 +108,76 @@ class ForwardOutput:
         return self.mode == "cuda_graph"
 
 
+class StaticInputs:
+    """The inputs CUDA graphs read by address, staged through host memory (pinned on CUDA) so a
+    replay uploads them in a few asynchronous copies instead of one per tensor.
+
+    The small 1-D inputs (ids, positions, slots, state, query starts, lengths) are named views
+    into one flat device buffer, mirrored by a host buffer of the same layout: a replay writes the
+    host views (`host[name]`, numpy arrays) and `upload` copies the whole buffer at once. Block
+    tables are their own [rows, cols] int32 device tensors (too large to copy whole): a replay
+    packs the corner it needs into `table_host(g, rows, width)` and `upload` copies it into
+    `tables[g][:rows, :width]`. The device views keep their addresses, shapes and strides for the
+    object's life. Host memory is reused every step: `wait` before writing it."""
+
+    _ALIGN = 512  # bytes: each region as aligned as its own allocation would be (kernels may assume it)
+    _TABLE_COLS = 64  # the host staging of a table starts at this many columns per row and grows on demand
+
+    def __init__(self, regions: dict[str, tuple[int, torch.dtype, int]], tables: list[tuple[int, int, int]],
+                 device: torch.device) -> None:
+        """regions: name -> (entries, dtype, initial value); tables: (rows, cols, initial value)
+        per block table."""
+        self._pin = pin = device.type == "cuda"
+        spans, size = {}, 0
+        for name, (numel, dtype, _) in regions.items():
+            spans[name] = (size, numel * dtype.itemsize, dtype)
+            size += -(-numel * dtype.itemsize // self._ALIGN) * self._ALIGN
+        self._device_buffer = torch.empty(size, dtype=torch.uint8, device=device)  # [bytes], device
+        self._host_buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)  # [bytes], host mirror
+        self.device = {name: self._device_buffer[at : at + n].view(dt) for name, (at, n, dt) in spans.items()}
+        self.host = {name: self._host_buffer[at : at + n].view(dt).numpy() for name, (at, n, dt) in spans.items()}
+        for name, (_, _, value) in regions.items():
+            self.host[name][:] = value
+        self._device_buffer.copy_(self._host_buffer)
+        self.tables = [torch.full((rows, cols), value, dtype=torch.int32, device=device)  # [rows, cols] int32
+                       for rows, cols, value in tables]
+        # Packed corners, not mirrors: a whole table (max_b x a long context's blocks) is large, a
+        # step's corner [:bucket, :width] normally small. [entries] int32, host
+        self._table_sizes = [rows * cols for rows, cols, _ in tables]
+        self._table_host = [torch.empty(rows * min(cols, self._TABLE_COLS), dtype=torch.int32, pin_memory=pin)
+                            for rows, cols, _ in tables]
+        self._table_host_np = [t.numpy() for t in self._table_host]
+        self._uploaded = torch.cuda.Event() if pin else None  # after the last upload's copies
+
+    def table_host(self, g: int, rows: int, width: int) -> np.ndarray:
+        """Host staging of table g's corner [:rows, :width], packed row-major ([rows * width]);
+        call after `wait` (it may replace the staging with a larger one)."""
+        need = rows * width
+        if need > self._table_host[g].numel():
+            size = min(max(need, 2 * self._table_host[g].numel()), self._table_sizes[g])
+            self._table_host[g] = torch.empty(size, dtype=torch.int32, pin_memory=self._pin)
+            self._table_host_np[g] = self._table_host[g].numpy()
+        return self._table_host_np[g][:need]
+
+    def wait(self) -> None:
+        """Block until the last upload has read the host memory (normally long done), so that it
+        can be rewritten."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def upload(self, corners: list[tuple[int, int]]) -> None:
+        """Copy the host mirror into the device buffer, and table g's staged corner into
+        `tables[g][:rows, :width]` for each (rows, width) in `corners`: asynchronous, in stream order."""
+        self._device_buffer.copy_(self._host_buffer, non_blocking=True)
+        for g, (rows, width) in enumerate(corners):
+            # A corner of several rows narrower than the table is strided on the device: torch copies
+            # it into a temporary there, then into place (no host-side temporary: `staged` is packed).
+            staged = self._table_host[g][: rows * width].view(rows, width)
+            self.tables[g][:rows, :width].copy_(staged, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCacheManager, device: torch.device,
                  aux_layers: tuple[int, ...] = ()) -> None:
@@ -156,9 +227,16 @@ class ModelRunner:
 
     def _state_tensors(self, batch: list[ScheduledRequest], states: tuple[GroupState | None, ...],
                        positions: list[list[int]], dev: Callable) -> dict[str, tuple[torch.Tensor | None, ...]]:
-        """StepMetadata's device copies of the compressed groups' state (`positions[i]`: request
-        i's query positions, pads included; a pad position of -1 points at the sinks)."""
-        fields: dict[str, list[torch.Tensor | None]] = {
+        """StepMetadata's device copies of the compressed groups' state (see _state_lists)."""
+        return {name: tuple(None if v is None else dev(v, torch.int64) for v in values)
+                for name, values in self._state_lists(batch, states, positions).items()}
+
+    def _state_lists(self, batch: list[ScheduledRequest], states: tuple[GroupState | None, ...],
+                     positions: list[list[int]]) -> dict[str, list[list[int] | None]]:
+        """The compressed groups' state fields of StepMetadata as host lists, None for a group
+        without state (`positions[i]`: request i's query positions, pads included; a pad position
+        of -1 points at the sinks)."""
+        fields: dict[str, list[list[int] | None]] = {
             "state_slots": [], "request_state_slots": [], "snapshot_slots": [], "restore_ids": []}
         unit, sink = self.kv.unit, self.kv.num_state_slots
         for state in states:
@@ -174,11 +252,11 @@ class ModelRunner:
                     i = (p + 1) // unit - 1
                     closes = p >= 0 and (p + 1) % unit == 0 and i < len(ids)
                     snaps.append(ids[i] if closes else state.null_snapshot)
-            fields["state_slots"].append(dev(per_token, torch.int64))
-            fields["request_state_slots"].append(dev(list(state.slots), torch.int64))
-            fields["snapshot_slots"].append(dev(snaps, torch.int64))
-            fields["restore_ids"].append(dev(list(state.restore), torch.int64))
-        return {k: tuple(v) for k, v in fields.items()}
+            fields["state_slots"].append(per_token)
+            fields["request_state_slots"].append(list(state.slots))
+            fields["snapshot_slots"].append(snaps)
+            fields["restore_ids"].append(list(state.restore))
+        return fields
 
     def _group_states(self, batch: list[ScheduledRequest]) -> tuple[GroupState | None, ...]:
         """The compressed groups' state slots and overlap snapshots of the step's requests."""
@@ -291,31 +369,31 @@ class ModelRunner:
         logger.info("Captured %d CUDA graphs in %.1f s", total, time.perf_counter() - start)
 
     def _allocate_static(self, max_b: int, max_q: int, max_blocks: int) -> None:
-        """The static inputs every graph reads (replay copies the step's values into their
-        prefixes), also what `measure` runs eager forwards on; block tables and slots all point at
-        the sink block."""
-        n_groups, dev = len(self.kv.groups), self.device
-        self._ids = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
-        self._pos = torch.zeros(max_b * max_q, dtype=torch.int64, device=dev)
-        self._qsl = torch.zeros(max_b + 1, dtype=torch.int32, device=dev)
-        self._seq = torch.ones(max_b, dtype=torch.int32, device=dev)
+        """The static inputs every graph reads (replay stages the step's values into their
+        prefixes, see StaticInputs), also what `measure` runs eager forwards on; block tables and
+        slots all point at the sink block."""
+        n_groups, tokens = len(self.kv.groups), max_b * max_q
         sinks = [self.kv.null_block(g) for g in range(n_groups)]  # each group's sink row
-        self._tables = [torch.full((max_b, max_blocks), sink, dtype=torch.int32, device=dev) for sink in sinks]
-        self._slots = [torch.full((max_b * max_q,), sink * self.block_size, dtype=torch.int64, device=dev)
-                       for sink in sinks]
-        self._all_rows = torch.arange(max_b * max_q, dtype=torch.int64, device=dev)
         # Compressed groups' state (StepMetadata.state_slots ...), all at the sinks.
         stateful = [g.spec.has_state for g in self.kv.groups]
-
         null_snapshots = [pool.num_blocks if pool is not None else 0 for pool in self.kv.snapshot_pools]
         self._state_pads = {"state_slots": [self.kv.num_state_slots] * n_groups,
                             "request_state_slots": [self.kv.num_state_slots] * n_groups,
                             "snapshot_slots": null_snapshots, "restore_ids": [-1] * n_groups}
-        self._state = {
-            name: [torch.full((max_b * max_q if name in _PER_TOKEN else max_b,), v, dtype=torch.int64, device=dev)
-                   if s else None for s, v in zip(stateful, pads)]
-            for name, pads in self._state_pads.items()
-        }
+        regions = {"ids": (tokens, torch.int64, 0), "pos": (tokens, torch.int64, 0),
+                   "qsl": (max_b + 1, torch.int32, 0), "seq": (max_b, torch.int32, 1)}
+        regions |= {f"slots/{g}": (tokens, torch.int64, sink * self.block_size) for g, sink in enumerate(sinks)}
+        for name, pads in self._state_pads.items():
+            size = tokens if name in _PER_TOKEN else max_b
+            regions |= {f"{name}/{g}": (size, torch.int64, pad) for g, pad in enumerate(pads) if stateful[g]}
+        self._static = StaticInputs(regions, [(max_b, max_blocks, sink) for sink in sinks], self.device)
+        view = self._static.device
+        self._ids, self._pos = view["ids"], view["pos"]  # [max_b * max_q] int64
+        self._qsl, self._seq = view["qsl"], view["seq"]  # [max_b + 1], [max_b] int32
+        self._tables = self._static.tables  # per group [max_b, max_blocks] int32
+        self._slots = [view[f"slots/{g}"] for g in range(n_groups)]  # per group [max_b * max_q] int64
+        self._state = {name: [view.get(f"{name}/{g}") for g in range(n_groups)] for name in self._state_pads}
+        self._all_rows = torch.arange(tokens, dtype=torch.int64, device=self.device)
 
     @torch.inference_mode()
     def measure(self, shapes: list[tuple[int, int]], repeats: int = 5) -> dict[tuple[int, int], float]:
@@ -380,44 +458,7 @@ class ModelRunner:
     def _replay(self, batch: list[ScheduledRequest], key: tuple[int, int]) -> ForwardOutput:
         bucket, q = key
         n = len(batch)
-        input_ids, positions, _, seq_lens, _, slots, tables = self._host_inputs(batch)
-        sinks = [self.kv.null_block(g) for g in range(len(tables))]
-        # Request i owns query rows i*q .. i*q+q-1: its tokens first, then pads up to q (see the
-        # module docstring); padded batch rows (bucket - n of them) are all pads.
-        ids, pos, slot_rows, real_pos = [], [], [[] for _ in tables], []
-        at = 0
-        for i, s in enumerate(batch):
-            m, pad = s.num_tokens, q - s.num_tokens
-            ids += input_ids[at : at + m] + [0] * pad
-            pos += positions[at : at + m] + [seq_lens[i] - 1] * pad  # a pad's position is never read back
-            real_pos.append(positions[at : at + m] + [-1] * pad)
-            for g in range(len(tables)):
-                slot_rows[g] += slots[g][at : at + m] + [sinks[g] * self.block_size] * pad
-            at += m
-        pad_tokens = (bucket - n) * q
-        self._ids[: bucket * q].copy_(torch.tensor(ids + [0] * pad_tokens), non_blocking=True)
-        self._pos[: bucket * q].copy_(torch.tensor(pos + [0] * pad_tokens), non_blocking=True)
-        padded_lens = [length + q - s.num_tokens for length, s in zip(seq_lens, batch)]
-        self._seq[:bucket].copy_(torch.tensor(padded_lens + [q] * (bucket - n), dtype=torch.int32), non_blocking=True)
-        self._fill_static_pattern(bucket, q)
-        for g in range(len(tables)):
-            # Rows are read up to ceil(padded seq_len / block_size) entries: a pad may reach one block
-            # past the request's own, which holds the sink.
-            width = max(len(t) for t in tables[g]) + 1
-            rows = [t + [sinks[g]] * (width - len(t)) for t in tables[g]]
-            self._tables[g][:n, :width].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-            self._tables[g][n:bucket, 0].fill_(sinks[g])
-            sink_slot = sinks[g] * self.block_size
-            self._slots[g][: bucket * q].copy_(torch.tensor(slot_rows[g] + [sink_slot] * pad_tokens), non_blocking=True)
-        states = self._group_states(batch)
-        if any(state is not None for state in states):
-            host = self._state_tensors(batch, states, real_pos, lambda x, dtype: torch.tensor(x, dtype=dtype))
-            for name, values in host.items():
-                end = bucket * q if name in _PER_TOKEN else bucket
-                for static, value, pad in zip(self._state[name], values, self._state_pads[name]):
-                    if static is not None and value is not None:
-                        static[: value.shape[0]].copy_(value, non_blocking=True)
-                        static[value.shape[0] : end].fill_(pad)  # the batch's pad rows: the sinks
+        self._stage_inputs(batch, bucket, q)
         if self._live_rows is not None:
             self._live_rows.fill_(n * q)
         entry = self.graphs[key]
@@ -435,3 +476,51 @@ class ModelRunner:
             real = [i * q + j for i, s in enumerate(batch) for j in range(s.num_tokens)]
             aux = entry.aux[torch.tensor(real, device=self.device)]
         return ForwardOutput(logits, "cuda_graph", aux)
+
+    def _stage_inputs(self, batch: list[ScheduledRequest], bucket: int, q: int) -> None:
+        """Write every input graph (bucket, q) reads into the host staging, padded rows and pad
+        tokens included (so what an earlier step, capture or `measure` left on the device is never
+        read), and upload it: one copy of the flat inputs, one per block table."""
+        n, static = len(batch), self._static
+        input_ids, positions, _, seq_lens, _, slots, tables = self._host_inputs(batch)
+        sinks = [self.kv.null_block(g) for g in range(len(tables))]
+        # Request i owns query rows i*q .. i*q+q-1: its tokens first, then pads up to q (see the
+        # module docstring); padded batch rows (bucket - n of them) are all pads.
+        ids, pos, slot_rows, real_pos = [], [], [[] for _ in tables], []
+        at = 0
+        for i, s in enumerate(batch):
+            m, pad = s.num_tokens, q - s.num_tokens
+            ids += input_ids[at : at + m] + [0] * pad
+            pos += positions[at : at + m] + [seq_lens[i] - 1] * pad  # a pad's position is never read back
+            real_pos.append(positions[at : at + m] + [-1] * pad)
+            for g in range(len(tables)):
+                slot_rows[g] += slots[g][at : at + m] + [sinks[g] * self.block_size] * pad
+            at += m
+        tokens, pad_tokens = bucket * q, (bucket - n) * q
+        static.wait()  # the last upload has read the host staging
+        host = static.host
+        host["ids"][:tokens] = ids + [0] * pad_tokens
+        host["pos"][:tokens] = pos + [0] * pad_tokens
+        host["qsl"][: bucket + 1] = range(0, (bucket + 1) * q, q)
+        host["seq"][:bucket] = [length + q - s.num_tokens for length, s in zip(seq_lens, batch)] + [q] * (bucket - n)
+        corners = []
+        for g, rows in enumerate(tables):
+            host[f"slots/{g}"][:tokens] = slot_rows[g] + [sinks[g] * self.block_size] * pad_tokens
+            # Rows are read up to ceil(padded seq_len / block_size) entries: a pad may reach one block
+            # past the request's own, which holds the sink; padded batch rows hold only the sink.
+            width = max(len(t) for t in rows) + 1
+            packed: list[int] = []
+            for t in rows:
+                packed += t
+                packed += [sinks[g]] * (width - len(t))
+            packed += [sinks[g]] * ((bucket - n) * width)
+            static.table_host(g, bucket, width)[:] = packed
+            corners.append((bucket, width))
+        states = self._group_states(batch)
+        if any(state is not None for state in states):
+            for name, values in self._state_lists(batch, states, real_pos).items():
+                end = tokens if name in _PER_TOKEN else bucket
+                for g, (value, pad) in enumerate(zip(values, self._state_pads[name])):
+                    if value is not None:  # the batch's pad rows: the sinks
+                        host[f"{name}/{g}"][:end] = value + [pad] * (end - len(value))
+        static.upload(corners)
