@@ -260,6 +260,8 @@ class ExpertStreamer:
         from tandem.engine.runner import seconds_per_call
 
         n = min(self.group, 16)
+        if self.cuda:  # no copy of an earlier step may still be writing the slot
+            self.copy_stream.synchronize()
         packed = self.buffers[0, : n * self.expert_bytes].view(n, self.expert_bytes)
         packed.copy_(self.layers[self.order[0]].data[:n])
         self.holds[0] = -1  # slot 0 holds no position's experts now
