@@ -11,7 +11,7 @@
 #   - hot experts under the demo's routing, bracketed none -> hot -> none, with the gain the hit
 #     rate predicts from the CPU experts' share of a step.
 #   PYTHONPATH=/tmp/site:$PWD bash benchmarks/run_device_followups.sh tests    # then: ... benches
-# `final` is session 8's one remaining call (about 7 minutes): the two benchmarks, then the GPU
+# `final` is session 8's one remaining call (under 6 minutes): the two benchmarks, then the GPU
 # tests of that session's code (the auto chunk, the chunk cost model's timing, online hot experts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,12 +19,12 @@ out=${OUT:-out}
 mkdir -p "$out"
 part=${1:-tests}
 if [ "$part" = final ]; then
-timeout 190 python3 benchmarks/bench_stream_prefill.py --layers 8 --fmt mxfp4 --lengths 2048,8192,32768 --cpu-lengths 2048 \
+timeout 165 python3 benchmarks/bench_stream_prefill.py --layers 8 --fmt mxfp4 --lengths 2048,8192,32768 --cpu-lengths 2048 \
     --gap-prefill 8192 --cpu-gap-prefill 2048 --out "$out/stream_mxfp4.json" 2>&1 \
     | grep -E "Expert streaming|PCIe|prefill|Prefill chunk|gap|peak|Error" | tee "$out/stream_mxfp4.txt"
-timeout 170 python3 benchmarks/bench_hot_experts.py --layers 4 --hot-gib 8 --batches 1,4 --order none,hot,none --reps 2 \
+timeout 145 python3 benchmarks/bench_hot_experts.py --layers 4 --hot-gib 8 --batches 1,4 --order none,hot,none --reps 1 \
     --new-tokens 40 --out "$out/hot_bracket.json" 2>&1 | grep -v "INFO\|Loading" | tail -14 | tee "$out/hot_bracket.txt"
-timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_expert_streaming.py tests/test_gpu_offload.py \
+timeout 30 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_expert_streaming.py tests/test_gpu_offload.py \
     tests/test_hot_experts.py 2>&1 | tail -8 | tee "$out/gpu_tests.txt"
 elif [ "$part" = tests ]; then
 timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_expert_streaming.py tests/test_gpu_offload.py \
