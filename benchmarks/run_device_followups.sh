@@ -11,7 +11,8 @@
 #   - hot experts under the demo's routing, bracketed none -> hot -> none, with the gain the hit
 #     rate predicts from the CPU experts' share of a step.
 #   PYTHONPATH=/tmp/site:$PWD bash benchmarks/run_device_followups.sh tests    # then: ... benches
-# `final` is session 8's one remaining call (under 6 minutes): the two benchmarks, then the GPU
+# After session 8, `tests` is what is left to run: its GPU tests of that session's code did not
+# finish in `final`. `final` is session 8's one remaining call (under 6 minutes): the two benchmarks, then the GPU
 # tests of that session's code (the auto chunk, the chunk cost model's timing, online hot experts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
