@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The device calls for what sessions 7 and 8 built without a GPU. Two calls of up to 10 minutes
 # each: `tests` (the GPU tests and the V4 profile) and `benches` (the two benchmarks).
-#   - GPU tests: the quantized-tile decode kernel, expert streaming (its chunk cost model timed on
-#     the GPU), CPU experts under CUDA (the auto chunk), online hot experts, the V4 compressor-entry
-#     kernel, V4 on CUDA with every Triton kernel, and the graph-replay paths of Qwen3 (test_gpu.py,
-#     test_attention.py) for the runner's packed replay inputs;
+#   - GPU tests: expert streaming (its chunk cost model timed on the GPU), CPU experts under CUDA
+#     (the auto chunk), online hot experts, V4 on CUDA with every Triton kernel, and the graph-replay
+#     paths of Qwen3 (test_gpu.py, test_attention.py) for the runner's packed replay inputs (the
+#     quantized-tile decode and V4 compressor-entry kernels passed in session 8's first call);
 #   - V4-Flash's batch-1 decode profile (bench_v4.py --profile: replay vs host time);
 #   - streamed prefill with MXFP4 experts in RAM (V4-Flash's format; 3.4 GB a layer, so 12 layers
 #     fit the box's RAM) at the chunk the cost model picks, the stream gap, and the CPU experts;
