@@ -113,7 +113,7 @@ def test_serve_logs_trust_remote_code_and_passes_the_uvicorn_level(model_dir, mo
         seen.update(server_cfg=server_cfg, builtin=builtin, log_level=log_level)
         return 0
 
-    monkeypatch.setattr(cli, "_serve", fake_serve)
+    monkeypatch.setattr(cli, "serve_until_exit", fake_serve)
     with caplog.at_level(logging.INFO, logger="tandem"):
         assert cli.run(["serve", str(model_dir), "--device", "cpu", "--trust-remote-code",
                         "--uvicorn-log-level", "warning"]) == 0

@@ -25,6 +25,7 @@ from tandem.config import ServerConfig
 from tandem.core import RequestOutput
 from tandem.server.app import create_app
 from tandem.server.errors import APIError
+from tandem.server.launch import serve_until_exit
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -419,7 +420,7 @@ def test_serve_exits_with_status_1_when_the_engine_cannot_go_on(model_dir, monke
     engine_cfg, server_cfg = cli.build_configs(args, str(model_dir))
     result: dict[str, int] = {}
     serving = threading.Thread(target=lambda: result.update(status=asyncio.run(
-        cli._serve(engine_cfg, server_cfg, False, "warning"))))
+        serve_until_exit(engine_cfg, server_cfg, False, "warning"))))
     serving.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
