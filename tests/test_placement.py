@@ -183,6 +183,7 @@ def test_auto_batched_tokens_plans_a_streamed_chunk_only_when_the_experts_stream
     off = plan_memory(cfg, torch.bfloat16, "cuda", offload=OffloadConfig(cpu_moe=True, stream_experts="off"), **kw)
     on_gpu = plan_memory(cfg, torch.bfloat16, "cuda", **kw)
     assert streamed.placement.stream_bytes and streamed.chunk_tokens == MAX_AUTO_CHUNK
+    assert f"(steps of up to {MAX_AUTO_CHUNK} tokens: --max-num-batched-tokens)" in streamed.render()
     assert off.chunk_tokens == on_gpu.chunk_tokens == DEFAULT_BATCHED_TOKENS
     assert streamed.activation_bytes > off.activation_bytes  # the longer chunk's activations are reserved
     short = plan_memory(cfg, torch.bfloat16, "cuda", offload=OffloadConfig(cpu_moe=True), device_bytes=8 * GiB,

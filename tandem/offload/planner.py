@@ -115,7 +115,8 @@ class MemoryPlan:
             lines.append(f"  weights  {cat:<34} {n / GiB:9.2f} GiB")
         lines.append(f"  weights  {'total':<34} {self.weights_total / GiB:9.2f} GiB")
         if self.device_bytes is not None:
-            lines.append(f"  activations + CUDA overhead (estimate)      {self.activation_bytes / GiB:9.2f} GiB")
+            lines.append(f"  activations + CUDA overhead (estimate)      {self.activation_bytes / GiB:9.2f} GiB "
+                         f"(steps of up to {self.chunk_tokens} tokens: --max-num-batched-tokens)")
         lines.append(f"  KV cache budget                             {max(self.kv_budget, 0) / GiB:9.2f} GiB "
                      f"({self.kv_bytes_per_token / 1024:.1f} KiB per token)")
         lines += self.kv_groups
