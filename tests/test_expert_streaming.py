@@ -78,7 +78,7 @@ def test_streamer_ring_gives_the_cpu_experts_results(limit) -> None:
             torch.testing.assert_close(s.run(i, x, ids, w, layer.swiglu_limit), layer(x, ids, w), rtol=1e-5, atol=1e-6)
     stats = s.stats()
     assert stats.layers == 6 and stats.bytes > 0
-    unpack, pair = s.time_device(None)  # it borrows slot 0: the ring must not think it holds a position
+    unpack, pair = s.time_device()  # it borrows slot 0: the ring must not think it holds a position
     assert unpack > 0 and pair > 0 and s.holds[0] == -1
     x, ids = torch.randn(20, H, generator=g), torch.rand(20, E, generator=g).argsort(-1)[:, :k]
     w = torch.softmax(torch.randn(20, k, generator=g), -1)
@@ -111,7 +111,7 @@ def test_auto_batched_tokens_is_the_streamers_chunk_within_the_plan(tmp_path, mo
     sink = engine.model.cpu_experts
     layer = next(iter(sink.layers.values()))
     sink.streamer.h2d = layer.nbytes / 0.01  # a 10 ms copy a layer: 2 ms unpacking, 1 us a pair
-    monkeypatch.setattr(sink.streamer, "time_device", lambda limit: (2e-3, 1e-6))
+    monkeypatch.setattr(sink.streamer, "time_device", lambda: (2e-3, 1e-6))
     auto = replace(engine.config, scheduler=replace(engine.config.scheduler, max_num_batched_tokens=None))
     knee = streaming.stream_chunk(layer.nbytes, sink.streamer.h2d, 2e-3, 1e-6, sink.top_k)
     assert knee == math.ceil(8e-3 / (sink.top_k * 1e-6) / 256) * 256  # 8 ms of the copy left for the pairs
@@ -207,7 +207,7 @@ def test_on_cuda_the_ring_streams_over_pcie_and_gives_the_cpu_experts_results() 
             torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-2)
     stats = s.stats()
     assert stats.layers == 6 and stats.bytes == 2 * 3 * E * layers[0].bytes_per_expert and stats.seconds > 0
-    unpack, pair = s.time_device(None)  # the chunk's cost model, timed on the GPU
+    unpack, pair = s.time_device()  # the chunk's cost model, timed on the GPU
     assert 0 < unpack < 1 and 0 < pair < 1e-3 and s.holds[0] == -1
 
 

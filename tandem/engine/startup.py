@@ -95,10 +95,10 @@ def batched_tokens(config: EngineConfig, model: CausalLM, planned: int | None, m
     if asked is not None:
         return asked
     sink = getattr(model, "cpu_experts", None)
-    if sink is None or sink.streamer is None or sink.streamer.h2d is None:
+    if sink is None or sink.streamer is None:
         return DEFAULT_BATCHED_TOKENS
-    cap = min(planned or sink.staging_rows, max_model_len)
-    return sink.prefill_chunk(cap)
+    chunk = sink.prefill_chunk(min(planned or sink.staging_rows, max_model_len))
+    return DEFAULT_BATCHED_TOKENS if chunk is None else chunk
 
 
 def _check_weights_fit(config: EngineConfig, device: torch.device, weights_bytes: int) -> None:

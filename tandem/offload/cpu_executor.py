@@ -270,10 +270,6 @@ class OffloadedExperts:
             min_tokens = min_tokens or 1  # a CPU run: no PCIe, no cost model
         elif min_tokens is None:
             min_tokens, h2d = streaming.measured_threshold(layer, self.top_k, device)
-        else:  # the threshold given; the chunk's cost model still wants the bandwidth
-            from tandem.offload.measure import h2d_bandwidth
-
-            h2d = h2d_bandwidth(device)
         per_expert = streaming.unpacked_bytes_per_expert(layer.bytes_per_expert, layer.hidden_size,
                                                          layer.intermediate_size, dtype)
         memory = self.placement.stream_bytes or streaming.stream_memory(cfg.stream_experts_memory, layer.num_experts,
@@ -282,16 +278,23 @@ class OffloadedExperts:
         logger.info("Expert streaming: %s", streamer.describe())
         return streamer
 
-    def prefill_chunk(self, cap: int) -> int:
+    def prefill_chunk(self, cap: int) -> int | None:
         """--max-num-batched-tokens auto with streaming: `stream_chunk` from the PCIe bandwidth
-        measured at start-up and the device's unpack and grouped-GEMM times, measured now (well
-        under a second); at most `cap` tokens. Logged with the prediction it makes."""
+        (the cost model's, or measured now when --stream-experts-min-tokens skipped it) and the
+        device's unpack and grouped-GEMM times, measured now (well under a second); at most `cap`
+        tokens. Logged with the prediction it makes. None on a CPU run: no PCIe to amortise."""
         from tandem.offload import streaming
 
         s = self.streamer
-        assert s is not None and s.h2d is not None, "prefill_chunk needs a streamer with a measured bandwidth"
+        assert s is not None, "prefill_chunk needs a streamer"
+        if s.h2d is None and s.cuda:
+            from tandem.offload.measure import h2d_bandwidth
+
+            s.h2d = h2d_bandwidth(s.device)
+        if s.h2d is None:
+            return None
         layer = self.layers[s.order[0]]
-        unpack, pair = s.time_device(layer.swiglu_limit)
+        unpack, pair = s.time_device()
         knee = streaming.stream_chunk(layer.nbytes, s.h2d, unpack, pair, self.top_k)
         chunk = min(cap, max(knee, s.min_tokens))  # a chunk below the threshold would not stream
         step = streaming.streamed_step_seconds(chunk, len(s.order), layer.nbytes, s.h2d, unpack, pair, self.top_k)

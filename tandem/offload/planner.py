@@ -95,7 +95,8 @@ class MemoryPlan:
     # load with. The others (the KV estimate) it settles by profiling.
     offload_problems: tuple[str, ...] = ()
     kv_groups: tuple[str, ...] = ()  # per cache group, for models beyond full attention (DeepSeek-V4)
-    chunk_tokens: int = 2048  # --max-num-batched-tokens: a prefill chunk (a streamed one copies every expert)
+    chunk_tokens: int = DEFAULT_BATCHED_TOKENS  # --max-num-batched-tokens: a prefill chunk (a streamed one copies
+    # every expert; auto: the longest the plan reserves activations for)
 
     @property
     def weights_total(self) -> int:

@@ -220,7 +220,7 @@ class ExpertStreamer:
     def __init__(self, layers: dict[int, CpuExpertLayer], device: torch.device, dtype: torch.dtype, memory: int,
                  min_tokens: int, h2d: float | None = None) -> None:
         first = layers[min(layers)]
-        self.h2d = h2d  # bytes/s the cost model measured (None: given --stream-experts-min-tokens, or a CPU run)
+        self.h2d = h2d  # PCIe bytes/s the cost model measured (None: not measured yet, or a CPU run)
         self.fmt, self.hidden, self.inter = first.fmt, first.hidden_size, first.intermediate_size
         self.layers, self.device, self.dtype, self.min_tokens = layers, device, dtype, min_tokens
         self.num_experts, self.expert_bytes = first.num_experts, first.bytes_per_expert
@@ -253,17 +253,19 @@ class ExpertStreamer:
                 f"{'PCIe' if self.cuda else 'memory (CPU run)'}, {self.group} experts a copy through {SLOTS} buffers "
                 f"({self.device_bytes / 2**30:.2f} GiB on {self.device})")
 
-    def time_device(self, limit: float | None, rows_per_expert: int = 512, repeats: int = 3) -> tuple[float, float]:
+    def time_device(self, rows_per_expert: int = 512, repeats: int = 3) -> tuple[float, float]:
         """(seconds to unpack one layer's experts, seconds per (token, expert) pair of their
-        grouped GEMMs) on the device, timed now on the first layer's first experts (up to 16 of
-        them, `rows_per_expert` rows each: a long chunk's density) in ring slot 0."""
+        grouped GEMMs, SwiGLU clamp included) on the device, timed now on the first layer's first
+        experts (up to 16 of them, `rows_per_expert` rows each: a long chunk's density) in ring
+        slot 0."""
         from tandem.engine.runner import seconds_per_call
 
         n = min(self.group, 16)
         if self.cuda:  # no copy of an earlier step may still be writing the slot
             self.copy_stream.synchronize()
+        first = self.layers[self.order[0]]
         packed = self.buffers[0, : n * self.expert_bytes].view(n, self.expert_bytes)
-        packed.copy_(self.layers[self.order[0]].data[:n])
+        packed.copy_(first.data[:n])
         self.holds[0] = -1  # slot 0 holds no position's experts now
         g = torch.Generator(device=self.device).manual_seed(0)
         x = (torch.randn(n * rows_per_expert, self.hidden, generator=g, device=self.device) * 0.1).to(self.dtype)
@@ -274,7 +276,8 @@ class ExpertStreamer:
 
         unpack_s = seconds_per_call(unpack, self.device, repeats, warm_up=True)
         w13, w2 = unpack()
-        rows_s = seconds_per_call(lambda: expert_rows(x, w13, w2, offs, limit), self.device, repeats, warm_up=True)
+        rows_s = seconds_per_call(lambda: expert_rows(x, w13, w2, offs, first.swiglu_limit), self.device, repeats,
+                                  warm_up=True)
         return unpack_s * self.num_experts / n, rows_s / (n * rows_per_expert)
 
     def wants(self, num_tokens: int) -> bool:
