@@ -123,9 +123,9 @@ def cpu_expert_seconds(engine, batch: int, repeats: int = 20) -> tuple[float, fl
     none (0 live rows): the module docstring's t_cpu is their difference."""
     from tandem.engine.runner import seconds_per_call
 
-    runner = engine.runner
-    key = min(k for k in runner.graphs if k[0] >= batch and k[1] == 1)
-    graph, live = runner.graphs[key].graph, runner._live_rows
+    graphs = engine.runner.graphs
+    graph = graphs[min(k for k in graphs if k[0] >= batch and k[1] == 1)].graph
+    live = engine.model.cpu_experts.live_rows  # what a replay tells the CPU kernel
 
     def replay(rows: int) -> None:
         live.fill_(rows)
