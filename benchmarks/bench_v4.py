@@ -6,6 +6,9 @@ reads: the weights it touches plus its caches, over the measured copy bandwidth)
     python benchmarks/bench_v4.py --layers 4 --out v4.json                 # H200: ~13 GB per layer in bf16
     python benchmarks/bench_v4.py --shape tiny --device cpu --skip-hf      # a CPU smoke run of the code path
 
+Decode runs twice per batch size in the same process, async scheduling off and on (the engine's
+`async_scheduling` switched between runs; `--async-scheduling` picks one), each after its own warm-up.
+
 Random weights spread tokens over experts evenly, and hash-routed layers route by token id; a
 trained checkpoint reads fewer distinct experts per batch. The first `num_hash_layers` (3) layers
 are hash-routed, so fewer layers than that measure only hash routing.
@@ -154,6 +157,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--kv-gib", type=float, default=8.0)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both",
+                    help="decode with the host's step overlapping the GPU's (on), without (off), or both in turn")
     ap.add_argument("--profile", action="store_true",
                     help="also the batch-1 graph's GPU time against the engine step, and its kernels by GPU time")
     ap.add_argument("--out", default=None)
@@ -176,16 +181,23 @@ def main() -> None:
             print(f"HBM {results['hbm_bytes_per_s'] / 1e12:.2f} TB/s; a batch-1 step reads {need['total'] / GB:.3f} GB "
                   f"-> roofline {results['roofline_tok_s']:.0f} tok/s", flush=True)
         results["decode"] = []
+        modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.async_scheduling]
         for i, b in enumerate(batches):
-            run_decode(engine, b, args.prompt, 4, seed=100 + i)  # warm-up
-            r = run_decode(engine, b, args.prompt, args.new_tokens, seed=i)
-            if b == 1 and "roofline_tok_s" in results:
-                r["pct_of_roofline"] = 100 * r["per_request_tok_s"] / results["roofline_tok_s"]
-            results["decode"].append(r)
-            print(f"tandem decode batch {b}: {r['decode_tok_s']:.2f} tok/s ({r['graph_steps']}/{r['steps']} steps in "
-                  "CUDA graphs)", flush=True)
+            for on in modes:
+                engine.async_scheduling = on
+                run_decode(engine, b, args.prompt, 4, seed=100 + i)  # warm-up
+                r = run_decode(engine, b, args.prompt, args.new_tokens, seed=i) | {"async_scheduling": on}
+                if b == 1 and "roofline_tok_s" in results:
+                    r["pct_of_roofline"] = 100 * r["per_request_tok_s"] / results["roofline_tok_s"]
+                results["decode"].append(r)
+                print(f"tandem decode batch {b}, async scheduling {'on' if on else 'off'}: {r['decode_tok_s']:.2f} "
+                      f"tok/s ({r['graph_steps']}/{r['steps']} steps in CUDA graphs)", flush=True)
         if args.profile and args.device == "cuda":
-            results["profile"], table = profile_graph(engine, (1, 1), decode_step_times(engine, args.prompt, 64), rows=40)
+            results["profile"] = {}
+            for on in modes:
+                engine.async_scheduling = on
+                results["profile"][f"async_{'on' if on else 'off'}"], table = profile_graph(
+                    engine, (1, 1), decode_step_times(engine, args.prompt, 64), rows=40)
             print(json.dumps(results["profile"], indent=2), "\n", table, flush=True)
             results["profile_table"] = table
         if args.device == "cuda":

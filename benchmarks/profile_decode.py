@@ -27,7 +27,9 @@ from tandem.core import SamplingParams  # noqa: E402
 
 def decode_step_times(engine, prompt: int, tokens: int) -> list[float]:
     """Seconds of each decode step of one greedy request (a `prompt`-token prompt, `tokens` new
-    tokens), after a warm-up request."""
+    tokens), after a warm-up request: the time between one `step` call's start and the next's, so
+    with async scheduling (a step launched before the last one's tokens land) it is the steady
+    period, not the host's share alone."""
     engine.add_request("warm", list(range(100, 100 + prompt)), SamplingParams(max_tokens=8, temperature=0.0,
                                                                              ignore_eos=True))
     while engine.has_unfinished:
@@ -36,11 +38,13 @@ def decode_step_times(engine, prompt: int, tokens: int) -> list[float]:
                                                                             ignore_eos=True))
     engine.step()  # prefill
     step_times = []
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     while engine.has_unfinished:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
         engine.step()
-        step_times.append(time.perf_counter() - t)
+        now = time.perf_counter()
+        step_times.append(now - t)
+        t = now
     return step_times
 
 

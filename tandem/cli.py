@@ -152,6 +152,10 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
                "prefill a long prompt in chunks of --max-num-batched-tokens, next to the running decodes; "
                "--no-enable-chunked-prefill prefills each prompt in one step, which needs --max-model-len at most "
                "--max-num-batched-tokens")
+    _bool_flag(s, "--async-scheduling", None,
+               "launch each decode step before the previous step's tokens are back on the host, so output, stop "
+               "checks and scheduling overlap the GPU (default: on for CUDA); steps with speculation, structured "
+               "output, logprobs, penalties or a request to admit run synchronously")
     s.add_argument("--max-queued-requests", type=int, default=SchedulerConfig.max_queued_requests,
                    help="waiting requests beyond this get HTTP 503 with Retry-After")
     # -- memory and KV cache
@@ -418,6 +422,7 @@ def build_configs(args: argparse.Namespace, model_dir: str, shipped: str | None 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queued_requests=args.max_queued_requests,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        async_scheduling=args.async_scheduling,
     )
     reasoning = args.reasoning_parser or (SHIPPED_REASONING_PARSER if shipped else None)
     tool_parser, auto_tool_choice = _tool_call_parser(args, shipped)

@@ -149,6 +149,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     max_queued_requests: int = 1024
     enable_chunked_prefill: bool = True
+    # Schedule and launch the next decode step before the current one's tokens reach the host, so
+    # the host's work (output, stop checks, scheduling, staging) runs while the device computes.
+    # None (auto): on for CUDA, off for the CPU (where a launch is the computation itself).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0):

@@ -62,6 +62,7 @@ class LLM:
         stream_experts: str = "auto",
         stream_experts_min_tokens: int | None = None,
         stream_experts_memory: str | int | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         """Keyword arguments as `tandem serve`'s flags; `speculative_config` is the
         `--speculative-config` JSON (or its dict), e.g. {"method": "ngram", "num_speculative_tokens": 3}.
@@ -72,7 +73,7 @@ class LLM:
             cache=CacheConfig(block_size, gpu_memory_utilization,
                               parse_size(kv_cache_memory) if kv_cache_memory is not None else None,
                               enable_prefix_caching, kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling=async_scheduling),
             spec=SpecConfig.parse(speculative_config, max_k),
             runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops, cpu_threads),
             offload=OffloadConfig(cpu_moe, n_cpu_moe, OffloadConfig.parse_layers(gpu_resident_moe_layers)

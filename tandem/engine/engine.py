@@ -9,7 +9,6 @@ one after another) raises EngineFatalError out of `step`.
 from __future__ import annotations
 
 import logging
-import numbers
 import time
 from dataclasses import replace
 from itertools import accumulate
@@ -18,16 +17,17 @@ from typing import Mapping, Sequence
 
 import torch
 
-from tandem.attention import get_attention_backend
-from tandem.config import EngineConfig, usable_cpus
-from tandem.core import ErrorKind, ParamError, Request, RequestOutput, SamplingParams, TokenLogprobs
+from tandem.config import EngineConfig
+from tandem.core import ErrorKind, ParamError, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from tandem.engine import startup
+from tandem.engine.inflight import InFlightStep, can_go_ahead
 from tandem.engine.metrics import EngineMetrics, StatsWindow
 from tandem.engine.output import RequestState, take_token
-from tandem.engine.runner import ModelRunner, allocate_kv_caches
+from tandem.engine.runner import ForwardOutput, ModelRunner, allocate_kv_caches
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.structured import StepMasks, StructuredOutputs
+from tandem.engine.validation import check_prompt
 from tandem.kv.manager import KVCacheManager
 from tandem.models.base import CausalLM
 from tandem.models.loader import inspect_checkpoint, load_checkpoint
@@ -39,8 +39,6 @@ from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger("tandem")
 
 GiB = 1024**3
-CAPTURABLE_ATTENTION = {"triton"}  # backends that read only device tensors (no host syncs)
-CAPTURABLE_MOE = {"grouped"}
 # Steps that fail as a whole one after another before the engine gives up: one such step is a
 # request's bad luck (its requests end, the rest go on); several in a row mean the engine is broken.
 MAX_FAILED_STEPS = 3
@@ -68,12 +66,6 @@ def brief(error: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _all_ints(values: Sequence[object]) -> bool:
-    if set(map(type, values)) <= {int}:  # the common case, at C speed
-        return True
-    return all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         """Load the checkpoint at config.model.model. `model`, if given, is used instead of the
@@ -95,8 +87,8 @@ class LLMEngine:
         self.model = model
         self.runner_config = startup.fit_to_model(config.runner, config.runner.resolve(self.device.type, mc.dtype),
                                                   model)
-        self._set_cpu_threads()
-        self._install_kernels()
+        startup.set_cpu_threads(self.model, self.device, config.runner, self.runner_config)
+        startup.install_kernels(self.model, self.runner_config, self.device)
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.vocab_size = int(self.model.hf_config["vocab_size"])
         self.max_model_len = mc.max_model_len or self.model.max_position_embeddings
@@ -132,7 +124,10 @@ class LLMEngine:
         self._window = StatsWindow(time.monotonic())
         self._prefix_reported = (0, 0)  # prefix-cache counters already pushed to Prometheus
         self._failed_steps = 0  # steps in a row that failed as a whole (see _fail_step)
-        self._log_summary(num_blocks, block_size)
+        self._in_flight: InFlightStep | None = None  # async scheduling: the step launched, not landed
+        self.num_async_steps = 0  # steps left in flight at launch
+        self.async_scheduling = config.scheduler.async_scheduling  # resolved and logged by its setter
+        startup.log_ready(self, num_blocks, block_size)
 
     # -- start-up planning ------------------------------------------------------------------
     def _load_spec(self) -> SpecDecoder:
@@ -144,7 +139,7 @@ class LLMEngine:
                                   self.config.scheduler.max_num_batched_tokens, self.sampler.generator_for)
         draft_model = getattr(spec.proposer, "model", None)
         if draft_model is not None:  # a draft model runs Tandem's layers: it gets the target's kernels
-            self._install_kernels(draft_model, log=False)
+            startup.install_kernels(draft_model, self.runner_config, self.device, log=False)
         if sc.method == "ngram":
             detail = f"n-gram {sc.prompt_lookup_min}..{sc.prompt_lookup_max}"
         else:
@@ -154,39 +149,28 @@ class LLMEngine:
                     sc.num_speculative_tokens, detail, sc.adaptive, phase_k)
         return spec
 
-    def _set_cpu_threads(self) -> None:
-        threads = self.runner_config.cpu_threads
-        assert threads is not None, "RunnerConfig.resolve() fills cpu_threads"
-        why = "--cpu-threads"
-        if self.device.type == "cuda" and self.config.runner.cpu_threads is None and hasattr(self.model, "cpu_experts"):
-            # The CPU expert kernel's pool owns the cores; torch's own CPU work here is small, and
-            # spinning worker threads would take cores from the experts (on the H200 box kernel
-            # calls ran 4-8x slower right after torch's 15 threads had run).
-            threads, why = 1, "the CPU expert kernel has the other cores; --cpu-threads to change"
-        torch.set_num_threads(threads)  # process-wide: the CPU forward uses these
-        logger.info("CPU threads: %d for torch (of %d usable cores; %s)", threads, usable_cpus(), why)
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether plain decode steps go ahead of their predecessors' tokens (tandem/engine/inflight.py).
+        A benchmark may switch it between steps (a step in flight still lands)."""
+        return self._async
 
-    def _install_kernels(self, model: CausalLM | None = None, log: bool = True) -> None:
-        """Put the configured attention backend and MoE executor into the layers of `model` (the
-        target's by default)."""
-        rc = self.runner_config
-        model = model or self.model
-        from tandem.kernels.fused import set_fused_ops
+    @async_scheduling.setter
+    def async_scheduling(self, asked: bool | None) -> None:
+        """--async-scheduling, by default on for CUDA; never with speculation (the drafter and the K
+        controller read each step's tokens) or online hot experts (their swaps land between steps)."""
+        self._async = self._async_scheduling_allowed(asked)
 
-        set_fused_ops(rc.fused_ops)  # process-wide; read when kernels run (and frozen into graphs)
-        for layer in model.attention_layers():
-            layer.set_backend(get_attention_backend(rc.attention_backend))
-        if hasattr(model, "set_attention_backend"):  # a model with attention kernels of its own (DeepSeek-V4)
-            model.set_attention_backend(rc.attention_backend)
-        if rc.moe_executor != "torch" and hasattr(model, "moe_blocks"):
-            from tandem.models.layers.moe import install_moe_executor
-
-            install_moe_executor(model, rc.moe_executor)
-        if not log:
-            return
-        on_cuda = self.device.type == "cuda"
-        fused = ("on" if on_cuda else "n/a (CPU runs the torch layers)") if rc.fused_ops else "off"
-        logger.info("Kernels: attention %s, MoE %s, fused small ops %s", rc.attention_backend, rc.moe_executor, fused)
+    def _async_scheduling_allowed(self, asked: bool | None) -> bool:
+        on = self.device.type == "cuda" if asked is None else asked
+        blocker = "speculative decoding" if self.spec is not None else (
+            "--hot-experts online" if self._hot_online is not None else None)
+        if on and blocker is not None:
+            (logger.warning if asked else logger.info)("Async scheduling off: %s needs each step's tokens first", blocker)
+            return False
+        logger.info("Async scheduling: %s", "on (plain decode steps launch before the last one's tokens are back)"
+                    if on else "off")
+        return on
 
     def _capture_graphs(self) -> None:
         rc = self.runner_config
@@ -194,18 +178,7 @@ class LLMEngine:
             if self.device.type == "cuda":
                 logger.info("CUDA graphs off (--enforce-eager): every step runs eagerly")
             return
-        # Offloaded layers' CPU experts are host nodes (capturable); the GPU executor serves the rest.
-        has_moe = any(not b.offloaded for b in getattr(self.model, "moe_blocks", dict)().values())
-        blockers = []
-        if rc.attention_backend not in CAPTURABLE_ATTENTION:
-            blockers.append(f"attention backend {rc.attention_backend!r}")
-        if has_moe and rc.moe_executor not in CAPTURABLE_MOE:
-            blockers.append(f"MoE executor {rc.moe_executor!r}")
-        sink = getattr(self.model, "cpu_experts", None)
-        hot = {ex.device_executor for ex in (sink.hot_executors.values() if sink is not None else ())}
-        if hot - CAPTURABLE_MOE:
-            blockers.append(f"the hot experts' executor {sorted(hot - CAPTURABLE_MOE)[0]!r} (--dtype bfloat16 uses "
-                            "'grouped')")
+        blockers = startup.graph_blockers(self.model, rc)
         if blockers:
             logger.warning("CUDA graphs off: %s cannot be captured; decode runs eagerly (slow)", " and ".join(blockers))
             return
@@ -217,51 +190,13 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.capture(max_num_seqs, self.max_model_len)
 
-    def _log_summary(self, num_blocks: int | tuple[int, ...], block_size: int) -> None:
-        if isinstance(num_blocks, int):
-            capacity, blocks = num_blocks * block_size, f"{num_blocks} blocks of {block_size}"
-        else:  # per group: the context its pool covers (a sliding window's is bounded: not counted)
-            groups = self.kv.groups
-            capacity = min(n * g.spec.tokens_per_block(block_size) for n, g in zip(num_blocks, groups)
-                           if g.spec.kind != "sliding_window")
-            blocks = ", ".join(f"{g.spec.kind}{'' if g.spec.ratio == 1 else ' 1/' + str(g.spec.ratio)}: {n}"
-                               for n, g in zip(num_blocks, groups)) + f" blocks of {block_size}"
-        logger.info(
-            "Tandem engine ready: model %s, dtype %s, device %s, weights %.2f GiB, KV cache %d tokens "
-            "(%s), max model len %d, maximum concurrency at max model len: %.2fx",
-            self.model_name, str(self.config.model.dtype).removeprefix("torch."), self.device,
-            self.weights_bytes / GiB, capacity, blocks, self.max_model_len,
-            capacity / self.max_model_len,
-        )
-
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         """Check a request against the model: prompt and stop token ids within the vocabulary,
         prompt plus max_tokens within the context length (SamplingParams checked its own fields
         when it was built). Returns the resolved max_tokens; raises ParamError naming the field.
         Reads only immutable limits, so any thread may call it."""
-        if not isinstance(prompt_token_ids, (list, tuple)):
-            raise ParamError(f"the prompt must be a list of token ids, got {type(prompt_token_ids).__name__}", "prompt")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ParamError("the prompt is empty", "prompt")
-        # The length first: a prompt far past the context is refused before its ids are scanned.
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len or n >= self.max_model_len:
-            raise ParamError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                "max_tokens" if params.max_tokens is not None and n < self.max_model_len else "messages",
-            )
-        vocab = self.vocab_size
-        if not _all_ints(prompt_token_ids):
-            raise ParamError("prompt token ids must be integers", "prompt")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ParamError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
-        return max_tokens
+        return check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def new_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> Request:
         """A validated request (`validate`), ready for `add`. Any thread may call it."""
@@ -313,12 +248,22 @@ class LLMEngine:
         up (`SpecDecoder.observe`: a drafter's KV or hidden-state window) -> postprocess. Returns
         a delta for every request that got tokens (several when it verified a draft) or finished.
 
+        With async scheduling a step of plain decodes is left in flight once launched
+        (`_launch`); the next call launches the step after it before landing its tokens
+        (`_step_ahead`), so each call returns the previous launch's deltas.
+
         A failure ends only the requests it can be blamed on, each with finish_reason "error" and
         error_kind "internal", and the engine goes on: a failure to schedule or to run the model
         ends every request of the step (`_fail_step`), a failure to sample only the rows that
         fail alone (`_sample`), a failure to postprocess only its request. Raises
         EngineFatalError when the engine cannot go on."""
         started = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None:
+            outputs = self._step_ahead()
+            if self._in_flight is not None:  # the next step went ahead
+                self._update_gauges()
+                return outputs
         try:
             drafts = self.spec.propose(self.scheduler.running) if self.spec else {}
             if self.spec is not None:
@@ -327,30 +272,89 @@ class LLMEngine:
                     drafts = self.structured.cut_drafts(drafts)
             sched = self.scheduler.schedule({rid: d.tokens for rid, d in drafts.items()})
         except Exception as e:  # noqa: BLE001 - the queues were mid-update: no request is above suspicion
-            return self._fail_step("scheduling", e, list(self.scheduler.requests.values()))
-        outputs = [self._reject(r) for r in sched.rejected]
+            return outputs + self._fail_step("scheduling", e, list(self.scheduler.requests.values()))
+        outputs += [self._reject(r) for r in sched.rejected]
         if not sched.is_empty:
             try:
                 forward = self.runner.execute(sched.scheduled)
             except Exception as e:  # noqa: BLE001 - one forward pass for all: nothing singles a request out
                 return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
-            self._failed_steps = 0
-            self.metrics.model_steps.labels(model_name=self.model_name, mode=forward.mode).inc()
-            masks = self.structured.fill(sched.scheduled) if len(self.structured) else None  # while the GPU runs
-            results = self._sample(forward.logits, sched.scheduled, drafts, masks)
-            accepted = {s.request.request_id: r.num_accepted for s, r in results if isinstance(r, VerifyResult)}
-            self.scheduler.update_after_step(sched, accepted)  # rejected drafts' slots go back here
-            if self.spec is not None:
-                try:
-                    self.spec.observe(sched, accepted, forward.aux)
-                except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
-                    return outputs + self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
-            outputs += self._postprocess(sched, results)
-            if self.spec is not None and self.spec.auto is not None:
-                self._time_step(sched, time.perf_counter() - started)
-            if self._hot_online is not None:  # between steps: swaps whose copies are done, and re-ranking
-                self._hot_online.after_step()
+            self._ran(forward)
+            goes_ahead = self.async_scheduling and can_go_ahead(sched, len(self.scheduler.running))
+            if not (goes_ahead and self._launch(sched, forward)):
+                outputs += self._finish_step(sched, forward, drafts, started)
         self._update_gauges()
+        return outputs
+
+    def _ran(self, forward: ForwardOutput) -> None:
+        self._failed_steps = 0
+        self.metrics.model_steps.labels(model_name=self.model_name, mode=forward.mode).inc()
+
+    def _finish_step(self, sched: SchedulerOutput, forward: ForwardOutput, drafts: Mapping[str, Draft],
+                     started: float) -> list[RequestOutput]:
+        """The synchronous rest of a step whose forward pass ran: sample or verify, advance the
+        scheduler, let the proposer catch up, postprocess."""
+        masks = self.structured.fill(sched.scheduled) if len(self.structured) else None  # while the GPU runs
+        results = self._sample(forward.logits, sched.scheduled, drafts, masks)
+        accepted = {s.request.request_id: r.num_accepted for s, r in results if isinstance(r, VerifyResult)}
+        self.scheduler.update_after_step(sched, accepted)  # rejected drafts' slots go back here
+        if self.spec is not None:
+            try:
+                self.spec.observe(sched, accepted, forward.aux)
+            except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
+                return self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
+        outputs = self._postprocess(sched, results)
+        if self.spec is not None and self.spec.auto is not None:
+            self._time_step(sched, time.perf_counter() - started)
+        if self._hot_online is not None:  # between steps: swaps whose copies are done, and re-ranking
+            self._hot_online.after_step()
+        return outputs
+
+    # -- async scheduling (tandem/engine/inflight.py) -------------------------------------------
+    def _launch(self, sched: SchedulerOutput, forward: ForwardOutput) -> bool:
+        """Sample the step on the device and leave it in flight: its tokens land in the next call.
+        False when sampling raised (the caller samples the step synchronously, row by row)."""
+        try:
+            tokens = self.sampler.sample(forward.logits, [s.request for s in sched.scheduled])
+        except Exception as e:  # noqa: BLE001 - `_sample` retries and blames the rows
+            self._raise_if_fatal("sampling", e)
+            self.sampler.rollback()
+            return False
+        self.scheduler.advance(sched)
+        self._in_flight = InFlightStep.launch(sched, tokens)
+        self.num_async_steps += 1
+        return True
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """With a step in flight: launch the step after it when that can be planned now
+        (`Scheduler.schedule_ahead`), then land the one in flight. `_in_flight` is left None when
+        nothing went ahead; the caller then runs a synchronous step."""
+        prev, self._in_flight = self._in_flight, None
+        started = time.perf_counter()
+        nxt = self.scheduler.schedule_ahead(prev.sched, self.max_model_len) if self.async_scheduling else None
+        if nxt is None:
+            return self._land(prev)
+        try:
+            forward = self.runner.execute(nxt.scheduled, pending=prev.tokens)
+        except Exception as e:  # noqa: BLE001 - as in `step`
+            outputs = self._land(prev)
+            alive = [s.request for s in nxt.scheduled if s.request.status == RequestStatus.RUNNING]
+            return outputs + self._fail_step("running the model", e, alive)
+        self._ran(forward)
+        launched = self._launch(nxt, forward)
+        outputs = self._land(prev)
+        if not launched:  # after `prev`'s tokens: a request they stopped is skipped
+            outputs += self._finish_step(nxt, forward, {}, started)
+        return outputs
+
+    def _land(self, step: InFlightStep) -> list[RequestOutput]:
+        """The in-flight step's tokens: the blocks complete before them are registered, the tokens
+        are appended and checked (`_postprocess`; a request stopped or aborted meanwhile is
+        skipped), then the blocks they complete (written by the step launched after, if any)."""
+        tokens = step.token_ids()
+        self.scheduler.commit(step.sched)
+        outputs = self._postprocess(step.sched, [(s, VerifyResult([t], 0)) for s, t in zip(step.sched.scheduled, tokens)])
+        self.scheduler.commit(step.sched)
         return outputs
 
     def _time_step(self, sched: SchedulerOutput, seconds: float) -> None:
@@ -456,6 +460,8 @@ class LLMEngine:
         outputs = []
         for s, result in results:
             req = s.request
+            if req.status != RequestStatus.RUNNING:  # a row scheduled ahead of the token that stopped it
+                continue
             if isinstance(result, Exception):
                 outputs.append(self._fail_request(req, "sampling", result))
                 continue

@@ -195,8 +195,11 @@ class ModelRunner:
         self._live_rows: torch.Tensor | None = offloaded.live_rows if offloaded is not None else None
 
     # -- inputs -------------------------------------------------------------------------------
-    def build_step(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
-        """Pack the batch's tokens; returns input_ids [T], positions [T] and the step metadata."""
+    def build_step(self, batch: list[ScheduledRequest], pending: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+        """Pack the batch's tokens; returns input_ids [T], positions [T] and the step metadata.
+        `pending`: the previous step's sampled tokens [S] on the device, which the decodes
+        scheduled ahead (`ScheduledRequest.input_row`) read."""
         host = self._host_inputs(batch)
         input_ids, positions, query_start, seq_lens, logits_indices, slots, tables = host
 
@@ -223,7 +226,27 @@ class ModelRunner:
             prefix_unit=self.kv.unit,
             **self._state_tensors(batch, states, [list(range(s.start, s.start + s.num_tokens)) for s in batch], dev),
         )
-        return dev(input_ids, torch.int64), dev(positions, torch.int64), step
+        ids = dev(input_ids, torch.int64)
+        self._fill_pending(ids, batch, query_start, pending)
+        return ids, dev(positions, torch.int64), step
+
+    def _fill_pending(self, ids: torch.Tensor, batch: list[ScheduledRequest], rows: list[int],
+                      pending: torch.Tensor | None) -> None:
+        """Write into `ids` the tokens of the decodes scheduled ahead: request i's query row
+        `rows[i]` gets row `input_row` of the previous step's sampled tokens `pending` [S], a
+        device-side copy queued after that step's sampling."""
+        pairs = [(at, s.input_row) for at, s in zip(rows, batch) if s.input_row is not None]
+        if not pairs:
+            return
+        if pending is None:
+            raise ValueError("a decode scheduled ahead needs the previous step's sampled tokens")
+        dst, src = (list(x) for x in zip(*pairs))
+        n = len(dst)
+        if dst == src == list(range(n)):  # the steady state: the same requests in the same order, q = 1
+            ids[:n].copy_(pending[:n])
+        else:
+            index = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
+            ids.index_copy_(0, index[0], pending.index_select(0, index[1]))
 
     def _state_tensors(self, batch: list[ScheduledRequest], states: tuple[GroupState | None, ...],
                        positions: list[list[int]], dev: Callable) -> dict[str, tuple[torch.Tensor | None, ...]]:
@@ -290,8 +313,11 @@ class ModelRunner:
         for s in batch:
             req = s.request
             start, end = s.start, s.start + s.num_tokens
-            input_ids.extend(req.all_token_ids[start : end - len(s.draft)])  # the request's own tokens ...
-            input_ids.extend(s.draft)  # ... then the draft to verify, if any
+            if s.input_row is not None:  # its token is still on the device: `_fill_pending` writes it
+                input_ids.append(0)
+            else:
+                input_ids.extend(req.all_token_ids[start : end - len(s.draft)])  # the request's own tokens ...
+                input_ids.extend(s.draft)  # ... then the draft to verify, if any
             positions.extend(range(start, end))
             for g, (kind, ratio) in enumerate(kinds):
                 ids = self.kv.block_ids(req.request_id, g)
@@ -307,15 +333,17 @@ class ModelRunner:
 
     # -- execution ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledRequest]) -> ForwardOutput:
-        """Run one forward pass over the batch (a CUDA graph when its shape has one)."""
+    def execute(self, batch: list[ScheduledRequest], pending: torch.Tensor | None = None) -> ForwardOutput:
+        """Run one forward pass over the batch (a CUDA graph when its shape has one). `pending`:
+        the previous step's sampled tokens [S], on the device, for the decodes scheduled ahead
+        (async scheduling: `ScheduledRequest.input_row`)."""
         prefill = _has_prefill(batch)
         key = self._graph_key(batch)
         if key is not None:
-            return self._replay(batch, key)
+            return self._replay(batch, key, pending)
         if self.graphs and not prefill:
             self._warn_fallback(batch)
-        input_ids, positions, step = self.build_step(batch)
+        input_ids, positions, step = self.build_step(batch, pending)
         hidden, aux = self._forward(input_ids, positions, step)  # [T, H], [T, F] | None
         logits = self.model.compute_logits(hidden[step.logits_indices])  # [R, V]
         return ForwardOutput(logits, "prefill" if prefill else "eager", aux)
@@ -455,10 +483,12 @@ class ModelRunner:
                for name, ts in self._state.items()},
         )
 
-    def _replay(self, batch: list[ScheduledRequest], key: tuple[int, int]) -> ForwardOutput:
+    def _replay(self, batch: list[ScheduledRequest], key: tuple[int, int], pending: torch.Tensor | None = None
+                ) -> ForwardOutput:
         bucket, q = key
         n = len(batch)
         self._stage_inputs(batch, bucket, q)
+        self._fill_pending(self._ids, batch, list(range(0, n * q, q)), pending)
         if self._live_rows is not None:
             self._live_rows.fill_(n * q)
         entry = self.graphs[key]

@@ -142,11 +142,24 @@ class Sampler:
         self._undo = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits [S, V] float32, one row per request -> one token per request.
+        """logits [S, V] float32, one row per request -> one token per request (`sample`), brought
+        to the host in a single copy, with the logprobs the requests ask for."""
+        tokens = self.sample(logits, requests)
+        token_ids = tokens.tolist()  # the step's one host sync
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # from the raw model logits, as vLLM
+            for i, req in enumerate(requests):
+                if req.params.logprobs is not None:
+                    logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], req.params.logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """logits [S, V], one row per request -> the chosen tokens [S] int64, on the logits' device,
+        without waiting for them (async scheduling keeps them there).
 
         Plain greedy rows take one batched argmax and plain sampling rows one batched filter and
-        draw; rows with penalties, min_tokens or a seed are processed one by one on the device. The
-        chosen tokens come back to the host in a single copy.
+        draw; rows with penalties, min_tokens or a seed are processed one by one on the device.
         """
         self._undo = {}
         logits = logits.float()
@@ -156,6 +169,8 @@ class Sampler:
         greedy = [i for i, r in enumerate(requests) if simple[i] and r.params.greedy]
         # Unseeded sampling rows share one batched filter and one draw from the engine's generator.
         batched = [i for i, r in enumerate(requests) if simple[i] and not r.params.greedy and r.params.seed is None]
+        if len(greedy) == len(requests):  # the common case: no index tensors to build
+            return torch.argmax(logits, dim=-1)
         if greedy:
             rows = torch.tensor(greedy, device=dev)
             tokens[rows] = torch.argmax(logits[rows], dim=-1)
@@ -175,14 +190,7 @@ class Sampler:
         for i, req in enumerate(requests):
             if i not in done:  # penalties, min_tokens or a per-request seed: one row at a time
                 tokens[i] = self._sample_row(logits[i].clone(), req)
-        token_ids = tokens.tolist()  # the step's one host sync
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        if any(r.params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)  # from the raw model logits, as vLLM
-            for i, req in enumerate(requests):
-                if req.params.logprobs is not None:
-                    logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], req.params.logprobs)
-        return SamplerOutput(token_ids, logprobs)
+        return tokens
 
     def _sample_row(self, row: torch.Tensor, req: Request) -> torch.Tensor:
         """row [V] float32 (a copy) -> chosen token, a 0-d tensor on the device."""

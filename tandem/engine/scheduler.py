@@ -26,13 +26,18 @@ class ScheduledRequest:
 
     A verifying request (speculative decoding) runs its last token plus `draft`: its query is
     1 + len(draft) tokens, the draft tokens are not in the request's token list (they live here,
-    for this step only), and it needs 1 + len(draft) logits rows."""
+    for this step only), and it needs 1 + len(draft) logits rows.
+
+    A decode scheduled ahead (async scheduling, `Scheduler.schedule_ahead`) runs a token the
+    previous step sampled that is not in the request's token list yet: `input_row` is its row in
+    that step's sampled tokens, which the runner reads on the device."""
 
     request: Request
     start: int  # first query position (the request's computed tokens when scheduled)
     num_tokens: int  # query tokens this step, draft tokens included
     samples: bool  # the step reaches the request's last known token: its logits are sampled
     draft: tuple[int, ...] = ()  # proposed tokens after the request's last one, to verify
+    input_row: int | None = None  # the query's token: this row of the previous step's sampled tokens
 
     @classmethod
     def of(cls, request: Request, num_tokens: int, draft: tuple[int, ...] = ()) -> ScheduledRequest:
@@ -150,6 +155,31 @@ class Scheduler:
             budget -= n
         return out
 
+    def schedule_ahead(self, prev: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+        """The decode step after `prev` (one-token decodes of every running request, already
+        advanced, whose sampled tokens are still on the device), planned before those tokens are
+        known: each request of `prev` still running decodes its pending token (`input_row`), except
+        one whose pending token is known to be its last (max_tokens, the context length). A stop
+        the pending token itself causes (EOS, a stop string) is found only afterwards: that
+        request's row in this step is wasted and dropped.
+
+        None, changing nothing that matters, when the step must be planned by `schedule` instead:
+        a waiting request could be admitted, a request's slot does not fit (`schedule` preempts),
+        or nothing would run."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None
+        out = SchedulerOutput()
+        for row, s in enumerate(prev.scheduled):
+            req = s.request
+            if req.status != RequestStatus.RUNNING:  # aborted since
+                continue
+            if req.num_output_tokens + 1 >= req.max_tokens or req.num_tokens + 1 >= max_model_len:
+                continue  # the pending token ends it
+            if not self.kv.allocate_slots(req, 1):
+                return None  # the slots taken so far stay: `schedule` asks for the same ones
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 1, True, input_row=row))
+        return out if out.scheduled else None
+
     def _allocate_or_preempt(
         self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]
     ) -> bool:
@@ -183,8 +213,12 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens); it will be recomputed", req.request_id, req.num_tokens)
 
     def update_after_step(self, out: SchedulerOutput, accepted: Mapping[str, int] | None = None) -> None:
-        """Advance computed-token counts once the step's forward pass ran, and let the KV manager
-        register the blocks that are now complete.
+        """Once the step's forward pass ran: `advance`, then `commit`."""
+        self.advance(out, accepted)
+        self.commit(out)
+
+    def advance(self, out: SchedulerOutput, accepted: Mapping[str, int] | None = None) -> None:
+        """Advance computed-token counts by what the step keeps (an async step: once launched).
 
         `accepted` gives, per verifying request, how many of its draft tokens were accepted: their
         K/V stay; the slots of the rejected ones are given back (the block table is trimmed to the
@@ -198,4 +232,10 @@ class Scheduler:
             req.num_computed_tokens += kept
             if s.draft:
                 self.kv.trim(req, req.num_computed_tokens)
-            self.kv.commit(req)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Let the KV manager register the step's requests' blocks that are complete: computed and
+        every token of them in the request's list (`KVCacheManager.commit`)."""
+        for s in out.scheduled:
+            if s.request.status == RequestStatus.RUNNING:
+                self.kv.commit(s.request)

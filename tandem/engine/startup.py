@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.config import DEFAULT_BATCHED_TOKENS, EngineConfig, RunnerConfig, SpecConfig
+from tandem.attention import get_attention_backend
+from tandem.config import DEFAULT_BATCHED_TOKENS, EngineConfig, RunnerConfig, SpecConfig, usable_cpus
 from tandem.core import Request, SamplingParams
 from tandem.engine.runner import ModelRunner, allocate_kv_caches
 from tandem.kv.groups import group_blocks
@@ -20,8 +22,13 @@ from tandem.models.loader import CheckpointInfo
 from tandem.offload.cpu_executor import OffloadedExperts
 from tandem.offload.planner import DEFAULT_CPU_KV_MEMORY, gpu_weight_bytes, kv_blocks, kv_capacity, plan_memory
 
+if TYPE_CHECKING:
+    from tandem.engine.engine import LLMEngine
+
 logger = logging.getLogger("tandem")
 GiB = 1024**3
+CAPTURABLE_ATTENTION = {"triton"}  # backends that read only device tensors (no host syncs)
+CAPTURABLE_MOE = {"grouped"}
 
 
 def fit_to_model(asked: RunnerConfig, resolved: RunnerConfig, model: CausalLM) -> RunnerConfig:
@@ -177,3 +184,73 @@ def profile_free_gpu_memory(config: EngineConfig, model: CausalLM, device: torch
                 "torch; %.2f GiB left for the KV cache", peak / GiB, tokens, outside_torch / GiB, max(budget, 0) / GiB)
     # The scratch caches stay bound until the real ones replace them (allocate_kv_caches).
     return max(budget, 0)
+
+
+def set_cpu_threads(model: CausalLM, device: torch.device, asked: RunnerConfig, rc: RunnerConfig) -> None:
+    """torch's CPU threads, process-wide: --cpu-threads, or 1 when the CPU expert kernel's pool
+    owns the cores beside a GPU."""
+    threads = rc.cpu_threads
+    assert threads is not None, "RunnerConfig.resolve() fills cpu_threads"
+    why = "--cpu-threads"
+    if device.type == "cuda" and asked.cpu_threads is None and hasattr(model, "cpu_experts"):
+        # The CPU expert kernel's pool owns the cores; torch's own CPU work here is small, and
+        # spinning worker threads would take cores from the experts (on the H200 box kernel
+        # calls ran 4-8x slower right after torch's 15 threads had run).
+        threads, why = 1, "the CPU expert kernel has the other cores; --cpu-threads to change"
+    torch.set_num_threads(threads)  # process-wide: the CPU forward uses these
+    logger.info("CPU threads: %d for torch (of %d usable cores; %s)", threads, usable_cpus(), why)
+
+
+def install_kernels(model: CausalLM, rc: RunnerConfig, device: torch.device, log: bool = True) -> None:
+    """Put the configured attention backend and MoE executor into the layers of `model`."""
+    from tandem.kernels.fused import set_fused_ops
+
+    set_fused_ops(rc.fused_ops)  # process-wide; read when kernels run (and frozen into graphs)
+    for layer in model.attention_layers():
+        layer.set_backend(get_attention_backend(rc.attention_backend))
+    if hasattr(model, "set_attention_backend"):  # a model with attention kernels of its own (DeepSeek-V4)
+        model.set_attention_backend(rc.attention_backend)
+    if rc.moe_executor != "torch" and hasattr(model, "moe_blocks"):
+        from tandem.models.layers.moe import install_moe_executor
+
+        install_moe_executor(model, rc.moe_executor)
+    if not log:
+        return
+    fused = ("on" if device.type == "cuda" else "n/a (CPU runs the torch layers)") if rc.fused_ops else "off"
+    logger.info("Kernels: attention %s, MoE %s, fused small ops %s", rc.attention_backend, rc.moe_executor, fused)
+
+
+def graph_blockers(model: CausalLM, rc: RunnerConfig) -> list[str]:
+    """What keeps the model's decode out of CUDA graphs, for the warning (empty: graphs capture)."""
+    # Offloaded layers' CPU experts are host nodes (capturable); the GPU executor serves the rest.
+    has_moe = any(not b.offloaded for b in getattr(model, "moe_blocks", dict)().values())
+    blockers = []
+    if rc.attention_backend not in CAPTURABLE_ATTENTION:
+        blockers.append(f"attention backend {rc.attention_backend!r}")
+    if has_moe and rc.moe_executor not in CAPTURABLE_MOE:
+        blockers.append(f"MoE executor {rc.moe_executor!r}")
+    sink = getattr(model, "cpu_experts", None)
+    hot = {ex.device_executor for ex in (sink.hot_executors.values() if sink is not None else ())}
+    if hot - CAPTURABLE_MOE:
+        blockers.append(f"the hot experts' executor {sorted(hot - CAPTURABLE_MOE)[0]!r} (--dtype bfloat16 uses "
+                        "'grouped')")
+    return blockers
+
+
+def log_ready(engine: LLMEngine, num_blocks: int | tuple[int, ...], block_size: int) -> None:
+    """The engine's ready line: model, dtype, weights, the KV cache's tokens and blocks (per group), concurrency."""
+    if isinstance(num_blocks, int):
+        capacity, blocks = num_blocks * block_size, f"{num_blocks} blocks of {block_size}"
+    else:  # per group: the context its pool covers (a sliding window's is bounded: not counted)
+        groups = engine.kv.groups
+        capacity = min(n * g.spec.tokens_per_block(block_size) for n, g in zip(num_blocks, groups)
+                       if g.spec.kind != "sliding_window")
+        blocks = ", ".join(f"{g.spec.kind}{'' if g.spec.ratio == 1 else ' 1/' + str(g.spec.ratio)}: {n}"
+                           for n, g in zip(num_blocks, groups)) + f" blocks of {block_size}"
+    logger.info(
+        "Tandem engine ready: model %s, dtype %s, device %s, weights %.2f GiB, KV cache %d tokens "
+        "(%s), max model len %d, maximum concurrency at max model len: %.2fx",
+        engine.model_name, str(engine.config.model.dtype).removeprefix("torch."), engine.device,
+        engine.weights_bytes / GiB, capacity, blocks, engine.max_model_len,
+        capacity / engine.max_model_len,
+    )

@@ -1,0 +1,178 @@
+"""Async scheduling (tandem/engine/inflight.py): plain decode steps launched before the previous
+step's tokens are on the host give the same tokens, stops and prefix-cache state as synchronous
+steps. On the CPU a launch computes at once, but the engine's bookkeeping is the one CUDA runs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tiny_models import save_tiny_model
+
+KW = dict(device="cpu", kv_cache_memory="32MiB")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    d = tmp_path_factory.mktemp("moe_async")
+    return d, save_tiny_model(d, "qwen3_moe", seed=1)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 2000, (length,), generator=g).tolist() for length in [5, 37, 70, 18, 101, 9][:n]]
+
+
+def reference(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run(model_dir: Path, ps, params, async_scheduling: bool, **kw):
+    llm = LLM(str(model_dir), async_scheduling=async_scheduling, **(KW | kw))
+    return llm, llm.generate(ps, params)
+
+
+def test_greedy_with_staggered_lengths_matches_transformers_and_goes_ahead(moe):
+    model_dir, hf = moe
+    ps = prompts(4)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (7, 30, 1, 18)]
+    llm, outs = run(model_dir, ps, params, True)
+    for p, sp, o in zip(ps, params, outs):
+        assert o.token_ids == reference(hf, p, sp.max_tokens) and o.finish_reason == "length"
+    assert llm.engine.num_async_steps > 10  # most decode steps went ahead
+    assert not llm.engine.has_unfinished and llm.engine.kv.usage == 0.0
+
+
+def test_stops_found_after_the_step_ahead_end_at_the_same_token(moe):
+    """A stop token or stop string that the pending token hits is only seen after the next step
+    launched: that row is dropped, and the request ends exactly where the synchronous engine ends it."""
+    model_dir, _ = moe
+    ps = prompts(3, seed=3)
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    _, base = run(model_dir, ps, free, False)
+    stop_token = base[0].token_ids[9]  # the first request stops at its 10th token (or earlier)
+    stop_text = base[1].text[5:9]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token]),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop_text]), free]
+    _, sync = run(model_dir, ps, params, False)
+    llm, ahead = run(model_dir, ps, params, True)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in ahead] == \
+           [(o.token_ids, o.text, o.finish_reason) for o in sync]
+    assert sync[0].finish_reason == "stop" and sync[1].finish_reason == "stop" and len(sync[0].token_ids) <= 10
+    assert llm.engine.num_async_steps > 0 and llm.engine.kv.usage == 0.0
+
+
+def test_seeded_sampling_is_reproduced(moe):
+    model_dir, _ = moe
+    ps = prompts(3, seed=5)
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=s, ignore_eos=True)
+              for s in (1, 2, 3)]
+    _, sync = run(model_dir, ps, params, False)
+    llm, ahead = run(model_dir, ps, params, True)
+    assert [o.token_ids for o in ahead] == [o.token_ids for o in sync]
+    assert llm.engine.num_async_steps > 0
+
+
+def test_a_request_arriving_or_aborted_mid_decode(moe):
+    """A new request stops the steps going ahead (it must be admitted by the scheduler), an abort
+    drops its request from the next step; the others' tokens are unchanged."""
+    model_dir, hf = moe
+    ps = prompts(3, seed=7)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(model_dir), async_scheduling=True, **KW)
+    engine = llm.engine
+    for i in (0, 1):
+        engine.add_request(f"r{i}", ps[i], greedy)
+    got: dict[str, list[int]] = {"r0": [], "r1": [], "r2": []}
+    steps = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        steps += 1
+        if steps == 6:
+            engine.add_request("r2", ps[2], greedy)
+        if steps == 12:
+            final = engine.abort("r1")
+            assert final is not None and final.finish_reason == "abort"
+    assert got["r0"] == reference(hf, ps[0], 30) and got["r2"] == reference(hf, ps[2], 30)
+    cut = got["r1"]
+    assert 0 < len(cut) < 30 and cut == reference(hf, ps[1], 30)[: len(cut)]
+    assert engine.num_async_steps > 10 and engine.kv.usage == 0.0
+
+
+def test_blocks_written_ahead_serve_prefix_hits(moe):
+    """The blocks a request completes while decoding ahead are registered once their tokens land:
+    a later prompt that extends its output reuses them and still decodes exactly."""
+    model_dir, hf = moe
+    prompt = prompts(1, seed=9)[0] + list(range(100, 130))  # 35 tokens
+    llm = LLM(str(model_dir), async_scheduling=True, **KW)
+    first = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    longer = prompt + first.token_ids[:33]  # 68 tokens: 4 full blocks of 16, the last from the output
+    second = llm.generate([longer], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert second.num_cached_tokens == 64
+    assert second.token_ids == reference(hf, longer, 12) and second.token_ids[:7] == first.token_ids[33:]
+
+
+def test_preemption_falls_back_to_the_synchronous_step(moe):
+    model_dir, hf = moe
+    ps = prompts(4, seed=11)
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    # 24 blocks (384 tokens) cannot hold the four sequences at full length: some are preempted.
+    kv_bytes = 24 * 16 * 2 * 2 * 16 * 4 * 2  # blocks*bs * K,V * kv_heads * head_dim * fp32 * layers
+    llm, outs = run(model_dir, ps, greedy, True, kv_cache_memory=kv_bytes, max_model_len=192,
+                    enable_prefix_caching=False)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.num_async_steps > 0
+    for p, o in zip(ps, outs):
+        assert o.token_ids == reference(hf, p, 64)
+
+
+def test_requests_that_need_the_host_between_steps_run_synchronously(moe):
+    model_dir, _ = moe
+    ps = prompts(2, seed=13)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)]
+    _, sync = run(model_dir, ps, params, False)
+    llm, ahead = run(model_dir, ps, params, True)
+    assert llm.engine.num_async_steps == 0
+    assert [o.token_ids for o in ahead] == [o.token_ids for o in sync]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_graph_steps_go_ahead_with_the_synchronous_tokens(moe):
+    """bf16 in decode graphs: the steps that go ahead read their input tokens from the previous
+    replay's sampled tokens on the device; the tokens equal the synchronous engine's."""
+    model_dir, _ = moe
+    ps = prompts(4, seed=15)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 40, 3, 25)]
+    params.append(SamplingParams(max_tokens=30, temperature=0.8, seed=4, ignore_eos=True))
+    ps.append(ps[0])
+    runs = []
+    for on in (False, True):
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", kv_cache_memory="64MiB", async_scheduling=on)
+        runs.append([o.token_ids for o in llm.generate(ps, params)])
+        engine = llm.engine
+        graphed = engine.metrics.model_steps.labels(model_name=engine.model_name, mode="cuda_graph")._value.get()
+        assert graphed > 20 and (engine.num_async_steps > 20) == on
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_v4_graph_steps_go_ahead_with_the_reference_tokens(tmp_path):
+    """DeepSeek-V4 (its compressed caches' state advanced by steps launched ahead) in decode graphs:
+    the tokens against transformers."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from test_deepseek_v4_engine import GREEDY as V4_GREEDY, prompts as v4_prompts, reference as v4_reference, save_v4
+
+    hf = save_v4(tmp_path, "all_kinds")
+    ps = v4_prompts((5, 37, 70, 18))
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_memory="64MiB", attention_backend="triton",
+              cpu_moe=True, async_scheduling=True)
+    assert llm.engine.runner.graphs, "no graph was captured"
+    for p, o in zip(ps, llm.generate(ps, V4_GREEDY)):
+        assert o.token_ids == v4_reference(hf, p), len(p)
+    assert llm.engine.num_async_steps > 10
