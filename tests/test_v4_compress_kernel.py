@@ -68,6 +68,46 @@ def test_long_windows_span_several_slot_tiles(kern) -> None:
           positions=[39, 80, 119, 200])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ring_write_and_entry_write_match_compress(kern, dtype) -> None:
+    """`deepseek_v4_ring_write` is `_compress`'s ring update (gate + position_bias[p % m] rounded in the
+    projections' dtype), and the entries' page write lands where `_compress` writes: the token's
+    slot when it closes its window, else the sink."""
+    g = torch.Generator().manual_seed(3)
+    ratio, head_dim, slots = 4, 16, 3
+    c = WindowCompressor(12, head_dim, ratio, True, 1e-6).to(dtype=dtype)
+    with torch.no_grad():
+        c.position_bias.copy_(torch.randn(c.position_bias.shape, generator=g))
+    width = 2 * head_dim
+    ring = torch.randn(slots + 1, 3 * ratio, 2 * width, generator=g).to(dtype)
+    positions = torch.tensor([0, 3, 6, 11])
+    slot = torch.tensor([0, 1, 2, 0])
+    hidden = torch.randn(4, 12, generator=g).to(dtype)
+    want = ring.clone()
+    kv, gate = c.project(hidden, positions)
+    want[slot, positions % want.shape[1]] = torch.cat((kv, gate), dim=-1)
+    got = ring.clone()
+    kern.deepseek_v4_ring_write(got, slot, positions, c.kv_proj(hidden), c.gate_proj(hidden), c.position_bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:  # the interpreter truncates the sum to bf16 where torch (and the GPU) rounds
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    pages = torch.zeros(5, 4, head_dim, dtype=dtype)  # [N + 1, bs, D]; row 4 the sink
+    page_slots = torch.tensor([1, 2, 5, 9])
+    rotary = InterleavedRotary(8, YARN)
+    entries = kern.deepseek_v4_compress_entries(got, slot, positions, ratio, head_dim, True, c.kv_norm.weight, 1e-6,
+                                                rotary.inv_freq, rotary.attention_scaling, pages=pages,
+                                                page_slots=page_slots, sink_slot=16)
+    flat = pages.view(-1, head_dim)
+    closes = torch.tensor([False, True, False, True])  # positions 3 and 11 close windows 0 and 2
+    assert torch.equal(flat[page_slots[closes]], entries[closes])
+    assert torch.equal(flat[16], entries[2]) or torch.equal(flat[16], entries[0])  # the sink: either pad
+    written = torch.zeros(flat.shape[0], dtype=torch.bool)
+    written[page_slots[closes]] = True
+    written[16] = True
+    assert not flat[~written].any()
+
+
 def test_bad_shapes_are_refused(kern) -> None:
     ring = torch.zeros(2, 8, 2 * 32)
     args = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 4, 32)
@@ -84,3 +124,19 @@ def test_bad_shapes_are_refused(kern) -> None:
 def test_on_cuda_v4_flash_shapes(kern, ratio, overlap, head_dim) -> None:
     check(kern, ratio=ratio, head_dim=head_dim, rope_dim=64, overlap=overlap, dtype=torch.bfloat16, device="cuda",
           positions=[0, ratio - 1, ratio, 2 * ratio - 1, 5 * ratio + 1, 9 * ratio - 1], ring_windows=4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("ratio,width", [(4, 1024), (4, 256), (128, 512)], ids=["csa", "indexer", "hca"])
+def test_on_cuda_ring_write_is_exact(kern, ratio, width) -> None:
+    g = torch.Generator().manual_seed(4)
+    ring = torch.randn(5, 2 * ratio if ratio > 4 else 3 * ratio, 2 * width, generator=g).to("cuda", torch.bfloat16)
+    positions = torch.tensor([0, ratio - 1, 7 * ratio + 2], device="cuda")
+    slot = torch.tensor([0, 3, 1], device="cuda")
+    kv, gate = (torch.randn(3, width, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    bias = torch.randn(ratio, width, generator=g).to("cuda", torch.bfloat16)
+    want = ring.clone()
+    want[slot, positions % want.shape[1]] = torch.cat((kv, gate + bias[positions % ratio]), dim=-1)
+    kern.deepseek_v4_ring_write(ring, slot, positions, kv, gate, bias)
+    torch.testing.assert_close(ring, want, rtol=0, atol=0)

@@ -1,6 +1,7 @@
 """The DeepSeek-V4 mHC kernels (tandem/kernels/deepseek_v4_mhc.py) against `HyperConnection`'s torch
-reference (tandem/models/deepseek_v4.py): the collapsed block input, post, the Sinkhorn-projected
-comb, and the merge, at float32 and bfloat16, with N a power of two and not, a broadcast (stride-0)
+reference (tandem/models/deepseek_v4.py): the norm + linear map as split-K partials, the collapsed
+block input, post, the Sinkhorn-projected comb, `HyperHead`'s collapse, and the merge (with the
+MoE's two parts summed in it), at float32 and bfloat16, with N a power of two and not, a broadcast (stride-0)
 view of the streams, one Sinkhorn pass and many. Without CUDA the kernels run in Triton's
 interpreter on tiny shapes; with CUDA (`-m gpu`) on V4-Flash's shape, also replayed from a graph.
 """
@@ -85,6 +86,48 @@ def test_hc_kernels_match_the_reference(mhc, n, hidden, tokens, iters, dtype, br
     check(mhc, n, hidden, tokens, iters, dtype, "cpu", broadcast)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_mix_partials_sum_to_the_linear_map(mhc, dtype, broadcast) -> None:
+    """N*H = 1200: three split-K partials (the last one partial), their sum the norm + linear map."""
+    n, hidden, tokens = 4, 300, 3
+    hc = make_hc(n, hidden, 20, dtype, "cpu")
+    streams = streams_of(tokens, n, hidden, dtype, "cpu", broadcast)
+    parts = mhc.deepseek_v4_hc_mix(streams, hc.fn, hc.norm_eps)
+    assert parts.shape == (tokens, 3, (2 + n) * n) and parts.dtype == torch.float32
+    flat = streams.flatten(-2).float()
+    want = torch.nn.functional.linear(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + hc.norm_eps),
+                                      hc.fn.float())
+    torch.testing.assert_close(parts.sum(dim=1), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_and_summed_merge_match_the_reference(mhc, dtype) -> None:
+    from tandem.models.deepseek_v4 import HyperHead
+
+    n, hidden, tokens = 4, 200, 2
+    g = torch.Generator().manual_seed(4)
+    head = HyperHead(hidden, n, 1e-6, 1e-6)
+    with torch.no_grad():
+        head.hc_fn.copy_(torch.randn(head.hc_fn.shape, generator=g) * (n * hidden) ** -0.5)
+        head.hc_base.copy_(torch.randn(n, generator=g))
+        head.hc_scale.fill_(0.7)
+    head = head.to(dtype=dtype)
+    streams = streams_of(tokens, n, hidden, dtype, "cpu", False)
+    fp32 = dtype == torch.float32
+    torch.testing.assert_close(head(streams, kernel=True), head(streams), rtol=1e-5 if fp32 else 2**-7,
+                               atol=1e-5 if fp32 else 1e-2)
+    hc = make_hc(n, hidden, 20, dtype, "cpu")
+    _, post, comb = hc(streams)
+    a, b = (torch.randn(tokens, hidden, generator=g).to(dtype) for _ in range(2))
+    got = HyperConnection.merge(streams, a, post, comb, kernel=True, block_out2=b)
+    if fp32:
+        torch.testing.assert_close(got, HyperConnection.merge(streams, a + b, post, comb), rtol=1e-5, atol=1e-5)
+    else:  # the sum rounded as torch rounds it: the merge of the rounded sum (the interpreter truncates)
+        torch.testing.assert_close(got.float(), HyperConnection.merge(streams, a + b, post, comb, kernel=True).float(),
+                                   rtol=2**-6, atol=2**-5)
+
+
 def test_hc_kernels_refuse_bad_shapes(mhc) -> None:
     streams = torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match="mixes must be float32"):
@@ -102,6 +145,12 @@ def test_hc_kernels_refuse_bad_shapes(mhc) -> None:
 def test_on_cuda_v4_flash_shape(mhc, tokens, broadcast) -> None:
     check(mhc, 4, 4096, tokens, 20, torch.bfloat16, "cuda", broadcast)
     check(mhc, 4, 4096, tokens, 20, torch.float32, "cuda", broadcast)
+    hc = make_hc(4, 4096, 20, torch.bfloat16, "cuda")
+    streams = streams_of(tokens, 4, 4096, torch.bfloat16, "cuda", broadcast)
+    parts = mhc.deepseek_v4_hc_mix(streams, hc.fn, hc.norm_eps)  # [T, 32, 24]
+    flat = streams.flatten(-2).float()
+    flat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + hc.norm_eps)
+    torch.testing.assert_close(parts.sum(dim=1), torch.nn.functional.linear(flat, hc.fn.float()), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

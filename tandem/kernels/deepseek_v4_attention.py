@@ -256,7 +256,7 @@ def deepseek_v4_paged_attention(
 
     Compressed layers also pass entry_pages [N' + 1, bs', D] with entry_table [B, max_blocks'] int32
     (entry n in slot table[r, n // bs'] * bs' + n % bs') and `ratio`. HCA (topk_idx None): the query
-    sees every closed entry n < (p + 1) // ratio. CSA: topk_idx [T, K] int32, the indexer's pick per
+    sees every closed entry n < (p + 1) // ratio. CSA: topk_idx [T, K] int32 or int64, the pick per
     token; -1 pads (and anything outside [0, (p + 1) // ratio)) are skipped.
 
     Graph padding tokens need only a position and request row the tables cover (position 0 on a

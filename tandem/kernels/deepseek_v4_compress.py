@@ -1,10 +1,12 @@
-"""DeepSeek-V4's compressor entries for decode / verify steps in two Triton kernels, replacing ~30
-torch launches per compressor and step (the window gathers, the slot softmax, the weighted sum,
-`kv_norm` and the rotary tail).
+"""DeepSeek-V4's compressor state and entries for decode / verify steps in three Triton kernels,
+replacing ~40 torch launches per compressor and step (the position-bias add and the ring write, the
+window gathers, the slot softmax, the weighted sum, `kv_norm`, the rotary tail and the page write).
 
+    deepseek_v4_ring_write(ring, slots [T], positions [T], kv [T, W], gate [T, W], position_bias [m, W])
     deepseek_v4_compress_entries(ring [S + 1, R, 2W], slots [T], positions [T], ratio, head_dim,
-                                 overlap, norm_weight [D], eps, inv_freq [rope_dim / 2], scaling)
-        -> entries [T, D] in the ring's dtype
+                                 overlap, norm_weight [D], eps, inv_freq [rope_dim / 2], scaling,
+                                 pages, page_slots [T], sink_slot)
+        -> entries [T, D] in the ring's dtype (also stored to the pages when given)
 
 For token t at position p of the request in ring slot s, window n = (p + 1) // m - 1 (m = ratio;
 R = ring rows, a multiple of m; W = the projection width, 2D with `overlap` and D without) is
@@ -23,7 +25,9 @@ A token that closes no window (n < 0) pools rows anyway (its entry goes to the s
 whatever the position, so a graph captures it. `_pool_kernel` runs on (T, cdiv(D, BLOCK_D)): two
 passes over the slots per channel tile (the max and the sum of exponentials, then the rounded
 weights times the values). `_norm_rope_kernel` runs on (T,): the norm over D, then each rotary
-channel with its pair partner (loaded again rather than shuffled in registers).
+channel with its pair partner (loaded again rather than shuffled in registers), and with `pages`
+the store to the entry's page slot (or the sink). `_ring_write_kernel`, on (T, cdiv(W, BLOCK)), is
+step 1 before them: the token's (kv | gate + position_bias[p % m]) to ring row p % R of its slot.
 """
 
 from __future__ import annotations
@@ -99,11 +103,32 @@ def _pool_kernel(
 
 
 @triton.jit
-def _norm_rope_kernel(
-    x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr,
-    ratio, head_dim, rope_dim, eps, scaling,
-    stride_xt, stride_ot,
+def _ring_write_kernel(
+    kv_ptr, gate_ptr, bias_ptr, ring_ptr, slot_ptr, pos_ptr,
+    ratio, rows, width,
+    stride_kt, stride_gt, stride_b, stride_rs, stride_rr,
     BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_c = c < width
+    pos = tl.load(pos_ptr + t)
+    row = ring_ptr + tl.load(slot_ptr + t) * stride_rs + (pos % rows) * stride_rr
+    dtype = ring_ptr.dtype.element_ty
+    kv = tl.load(kv_ptr + t * stride_kt + c, mask=in_c, other=0.0)
+    gate = tl.load(gate_ptr + t * stride_gt + c, mask=in_c, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + (pos % ratio) * stride_b + c, mask=in_c, other=0.0).to(tl.float32)
+    tl.store(row + c, kv.to(dtype), mask=in_c)
+    # torch adds in the projections' dtype (float32 math, one rounding), then the ring's cast
+    tl.store(row + width + c, (gate + bias).to(gate_ptr.dtype.element_ty).to(dtype), mask=in_c)
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, page_ptr, page_slot_ptr,
+    ratio, head_dim, rope_dim, eps, scaling, sink_slot,
+    stride_xt, stride_ot, stride_page,
+    BLOCK: tl.constexpr, WRITE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
@@ -129,13 +154,41 @@ def _norm_rope_kernel(
     rotated = tl.where(even, yf * cos - ypf * sin, yf * cos + ypf * sin)
     out = tl.where(is_rope, rotated.to(dtype), y.to(dtype))
     tl.store(out_ptr + t * stride_ot + c, out, mask=in_c)
+    if WRITE:  # to the entry's slot when the token closes its window (n >= 0), else to the sink
+        closes = ((tl.load(pos_ptr + t) + 1) % ratio == 0) & (n >= 0)
+        dst = tl.where(closes, tl.load(page_slot_ptr + t), sink_slot).to(tl.int64)
+        tl.store(page_ptr + dst * stride_page + c, out.to(page_ptr.dtype.element_ty), mask=in_c)
+
+
+def deepseek_v4_ring_write(ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                           gate: torch.Tensor, position_bias: torch.Tensor) -> None:
+    """Step 1 of `_compress` (tandem/models/deepseek_v4_decode.py) in one launch: ring row
+    p % R of each token's slot becomes (kv | gate + position_bias[p % m]), kv/gate [T, W] the raw
+    projections, position_bias [m, W]; the sum rounds to the projections' dtype as torch's add."""
+    _, R, two_width = ring.shape
+    T, width = kv.shape
+    ratio = position_bias.shape[0]
+    if two_width != 2 * width or gate.shape != kv.shape or position_bias.shape != (ratio, width) \
+            or ring.stride(-1) != 1 or kv.stride(-1) != 1 or gate.stride(-1) != 1 or position_bias.stride(-1) != 1:
+        raise ValueError(f"ring {tuple(ring.shape)}, kv {tuple(kv.shape)}, gate {tuple(gate.shape)} and position_bias "
+                         f"{tuple(position_bias.shape)} do not fit (need [S + 1, R, 2W], [T, W] x2, [m, W], rows "
+                         "contiguous)")
+    if T == 0:
+        return
+    block = min(1024, triton.next_power_of_2(width))
+    _ring_write_kernel[(T, triton.cdiv(width, block))](
+        kv, gate, position_bias, ring, slots, positions, ratio, R, width,
+        kv.stride(0), gate.stride(0), position_bias.stride(0), ring.stride(0), ring.stride(1), BLOCK=block)
 
 
 def deepseek_v4_compress_entries(ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, ratio: int,
                                  head_dim: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
-                                 inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
-    """See the module docstring."""
-    S1, R, two_width = ring.shape
+                                 inv_freq: torch.Tensor, scaling: float, pages: torch.Tensor | None = None,
+                                 page_slots: torch.Tensor | None = None, sink_slot: int = 0) -> torch.Tensor:
+    """See the module docstring. `pages` (contiguous, rows [.., D] in the flat slot order of the
+    paged cache) with `page_slots` [T]: each entry is also stored at flat row page_slots[t] when
+    its token closes its window, else at `sink_slot` (what `_compress` writes)."""
+    _, R, two_width = ring.shape
     width = two_width // 2
     if width != (2 * head_dim if overlap else head_dim) or R % ratio or ring.stride(-1) != 1:
         raise ValueError(f"ring {tuple(ring.shape)} does not hold ratio-{ratio} windows of head_dim {head_dim}"
@@ -151,7 +204,11 @@ def deepseek_v4_compress_entries(ring: torch.Tensor, slots: torch.Tensor, positi
     _pool_kernel[(T, triton.cdiv(head_dim, _BLOCK_D))](
         ring, slots, positions, pooled, ratio, R, head_dim, width, ring.stride(0), ring.stride(1), pooled.stride(0),
         OVERLAP=overlap, BLOCK_S=_BLOCK_S, BLOCK_D=_BLOCK_D)
+    write = pages is not None
+    if write and (page_slots is None or pages.shape[-1] != head_dim or not pages.is_contiguous()):
+        raise ValueError(f"the entry write takes contiguous pages of rows [.., {head_dim}] and page_slots [T]")
     _norm_rope_kernel[(T,)](
-        pooled, norm_weight, positions, inv_freq, out, ratio, head_dim, rope_dim, eps, scaling,
-        pooled.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(head_dim))
+        pooled, norm_weight, positions, inv_freq, out, pages if write else out, page_slots if write else positions,
+        ratio, head_dim, rope_dim, eps, scaling, sink_slot,
+        pooled.stride(0), out.stride(0), head_dim, BLOCK=triton.next_power_of_2(head_dim), WRITE=write)
     return out

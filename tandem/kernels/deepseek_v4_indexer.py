@@ -43,7 +43,7 @@ _MAX_GRID_Y = 65535  # CUDA's limit on the entry-tile axis of the grid
 def _indexer_scores_kernel(
     q_ptr, w_ptr, pos_ptr, req_ptr, out_ptr,  # q [T, Hi, Di]; w [T, Hi] fp32; positions, rows [T]; out [T, N]
     pages_ptr, scales_ptr, table_ptr,  # index pages [NB + 1, PAGE, Di]; scales [NB + 1, PAGE]; table [B, max_blocks]
-    num_entries, ratio, q_scale,
+    num_entries, ratio, q_scale, w_scale,
     stride_qt, stride_qh, stride_wt, stride_ot,
     stride_blk, stride_slot, stride_sblk, stride_sslot, stride_bt,
     PAGE: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -68,7 +68,7 @@ def _indexer_scores_kernel(
         d_ok = offs_d < HEAD_DIM
         q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-        w = tl.load(w_ptr + t * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32)  # [BLOCK_H]
+        w = tl.load(w_ptr + t * stride_wt + heads, mask=h_ok, other=0.0).to(tl.float32) * w_scale  # [BLOCK_H]
 
         # Entry n sits in slot n % PAGE of block table[r, n // PAGE]; unclosed ones are never loaded.
         idx = tl.where(valid, n, 0)
@@ -147,13 +147,15 @@ def deepseek_v4_indexer_scores(
     ratio: int,
     index_scales: torch.Tensor | None = None,
     *,
+    w_scale: float = 1.0,
     block_n: int | None = None,
 ) -> torch.Tensor:
     """Lightning-indexer scores of every query token over every entry its block-table row covers.
 
     q [T, Hi, Di] (rotated; bf16/fp16/fp32, Hi <= 128, Di <= 256, any sizes: tiles are padded);
-    w [T, Hi] float32, the head weights weights_proj(hidden) * Hi^-0.5; positions [T] int, the token's
-    absolute position p; token_request [T] int, its request's row of the block table
+    w [T, Hi], the head weights weights_proj(hidden) * Hi^-0.5 in float32, or weights_proj(hidden)
+    (any float dtype) with `w_scale` = Hi^-0.5, multiplied in float32 in the kernel; positions [T]
+    int, the token's absolute position p; token_request [T] int, its request's row of the block table
     (`tandem.core.token_requests` builds it from query_start_loc);
     index_pages [NB + 1, bs, Di], the index keys, entry n of request r in slot
     block_table[r, n // bs] * bs + n % bs of block_table [B, max_blocks] int32; ratio: the
@@ -188,7 +190,7 @@ def deepseek_v4_indexer_scores(
     s_strides = (index_scales.stride(0), index_scales.stride(1)) if index_scales is not None else (0, 0)
     _indexer_scores_kernel[(T, tiles)](
         q, w, positions, token_request, scores, index_pages, scales, block_table,
-        N, ratio, head_dim**-0.5,
+        N, ratio, head_dim**-0.5, float(w_scale),
         q.stride(0), q.stride(1), w.stride(0), scores.stride(0),
         index_pages.stride(0), index_pages.stride(1), *s_strides, block_table.stride(0),
         PAGE=page, NUM_HEADS=num_heads, HEAD_DIM=head_dim,

@@ -223,15 +223,19 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [..., N, H] -> (collapsed block input [..., H], post [..., N], comb [..., N, N]), float32 weights.
-        `kernel` (CUDA, streams [T, N, H]): everything after the linear map in one Triton kernel
-        (tandem/kernels/deepseek_v4_mhc.py), the same math."""
+        `kernel` (CUDA, streams [T, N, H]): in two Triton kernels (tandem/kernels/deepseek_v4_mhc.py),
+        the norm and the linear map, then everything after it; the same math."""
         n = self.n
+        if kernel:
+            from tandem.kernels.deepseek_v4_mhc import (
+                deepseek_v4_hc_mix,
+                deepseek_v4_hc_pre,
+            )
+
+            mixes = deepseek_v4_hc_mix(streams, self.fn, self.norm_eps)  # [T, S, (2+N)N] split-K partials
+            return deepseek_v4_hc_pre(streams, mixes, self.base, self.scale, self.hc_eps, self.iters)
         flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)  # [..., N*H]
         mixes = F.linear(flat, self.fn.float())  # [..., (2+N)N]
-        if kernel:
-            from tandem.kernels.deepseek_v4_mhc import deepseek_v4_hc_pre
-
-            return deepseek_v4_hc_pre(streams, mixes, self.base, self.scale, self.hc_eps, self.iters)
         sizes = [n, n, n * n]
         pre_w, post_w, comb_w = mixes.split(sizes, dim=-1)  # [..., N], [..., N], [..., N*N]
         pre_b, post_b, comb_b = self.base.float().split(sizes)
@@ -244,13 +248,16 @@ class HyperConnection(nn.Module):
 
     @staticmethod
     def merge(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-              kernel: bool = False) -> torch.Tensor:
-        """new stream k = post_k * block_out + sum_j comb[j, k] * stream_j. [..., N, H]. `kernel`
-        (CUDA, streams [T, N, H]): in one Triton kernel, with the same roundings."""
+              kernel: bool = False, block_out2: torch.Tensor | None = None) -> torch.Tensor:
+        """new stream k = post_k * block_out + sum_j comb[j, k] * stream_j. [..., N, H]; with
+        `block_out2` the block output is block_out + block_out2 (the MoE's routed and shared parts).
+        `kernel` (CUDA, streams [T, N, H]): in one Triton kernel, with the same roundings."""
         if kernel:
             from tandem.kernels.deepseek_v4_mhc import deepseek_v4_hc_merge
 
-            return deepseek_v4_hc_merge(streams, block_out, post, comb)
+            return deepseek_v4_hc_merge(streams, block_out, post, comb, block_out2)
+        if block_out2 is not None:
+            block_out = block_out + block_out2
         dtype = streams.dtype
         mixed = torch.einsum("...jk,...jh->...kh", comb.to(dtype), streams)
         return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
@@ -266,7 +273,16 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.zeros(hc_mult))
         self.hc_scale = nn.Parameter(torch.ones(1))
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:  # [..., N, H] -> [..., H]
+    def forward(self, streams: torch.Tensor, kernel: bool = False) -> torch.Tensor:  # [..., N, H] -> [..., H]
+        """`kernel` (CUDA, streams [T, N, H]): the mHC's two Triton kernels, without post and comb."""
+        if kernel:
+            from tandem.kernels.deepseek_v4_mhc import (
+                deepseek_v4_hc_head,
+                deepseek_v4_hc_mix,
+            )
+
+            mixes = deepseek_v4_hc_mix(streams, self.hc_fn, self.norm_eps)  # [T, S, N]
+            return deepseek_v4_hc_head(streams, mixes, self.hc_base, self.hc_scale, self.hc_eps)
         flat = unweighted_rms_norm(streams.flatten(-2).float(), self.norm_eps)  # [..., N*H]
         pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
         return ((pre + self.hc_eps).unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
@@ -330,6 +346,9 @@ class DeepseekV4DecoderLayer(nn.Module):
         collapsed, post, comb = self.attn_hc(streams, kernel)  # [T, H]
         streams = HyperConnection.merge(streams, attention(self.input_layernorm(collapsed)), post, comb, kernel)
         collapsed, post, comb = self.ffn_hc(streams, kernel)
+        if kernel:  # the routed + shared sum inside the merge kernel
+            routed, shared = self.mlp.parts(self.post_attention_layernorm(collapsed), input_ids)  # [T, H] each
+            return HyperConnection.merge(streams, routed, post, comb, kernel, shared)
         ffn = self.mlp(self.post_attention_layernorm(collapsed), input_ids)  # [T, H]
         return HyperConnection.merge(streams, ffn, post, comb, kernel)
 
@@ -389,13 +408,13 @@ class DeepseekV4Model(nn.Module):
         compressor entries, indexer scores and mHC in Triton."""
         streams = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.hc_mult, -1)  # [T, N, H]
         if step.max_query_len <= self.decode_max_query:
+            ctx = decode.DecodeStep(positions, step, kernel)
             for layer, layer_caches in zip(self.layers, caches):
                 attn = layer.self_attn
                 rotary = self.rotary_emb[attn.rope_kind]
                 streams = layer.forward_tokens(streams, input_ids, lambda x, attn=attn, c=layer_caches, rotary=rotary:
-                                               decode.attention_step(attn, x, positions, c, step, rotary, kernel),
-                                               kernel)
-            return self.norm(self.hc_head(streams))
+                                               decode.attention_step(attn, x, c, ctx, rotary), kernel)
+            return self.norm(self.hc_head(streams, kernel))
         requests = [paged.PagedRequest(step, r) for r in range(step.num_requests)]
         lengths = [req.end - req.start for req in requests]
         for layer, layer_caches in zip(self.layers, caches):

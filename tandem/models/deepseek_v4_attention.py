@@ -325,10 +325,13 @@ class DeepseekV4Attention(nn.Module):
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention's per-head result [B, T, Hh, D] -> the block's output [B, T, H]."""
-        B, T = out.shape[:2]
         # V carried rotary at its key's position; rotating back by the query's position leaves the
         # rope channels a function of the relative distance.
-        out = apply_rope_tail(out, cos[:, None], -sin[:, None])
+        return self.output_proj(apply_rope_tail(out, cos[:, None], -sin[:, None]))
+
+    def output_proj(self, out: torch.Tensor) -> torch.Tensor:
+        """The grouped output projection of the rotated-back heads [B, T, Hh, D] -> [B, T, H]."""
+        B, T = out.shape[:2]
         grouped = self.o_a_proj(out.reshape(B, T, self.o_a_proj.groups, -1))  # [B, T, G, o_lora_rank]
         return self.o_b_proj(grouped.flatten(2))
 

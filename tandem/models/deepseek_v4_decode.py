@@ -15,13 +15,18 @@ Per compressed layer and token p (ratio m, ring of R = state_ring * m rows per r
 
 The first step after a prefix hit first copies the overlap snapshot into the ring (`restore_ids`).
 The attention itself is `deepseek_v4_paged_attention` (Triton, tandem/kernels/) on CUDA, or the
-gather below, which is the same math in torch and serves CPU and fp8 pages; step 2's entries are
-`deepseek_v4_compress_entries` on CUDA, or `pool_entries` below. Steps with a prefill
+gather below, which is the same math in torch and serves CPU and fp8 pages; steps 1-2 are
+`deepseek_v4_ring_write` and `deepseek_v4_compress_entries` on CUDA, or `pool_entries` below; the
+norms and rotary of q, the K=V row (with its window write) and the output are
+`deepseek_v4_rope_tail` launches. What every layer shares (positions, request rows, cos/sin) is
+made once a step (`DecodeStep`). Steps with a prefill
 chunk keep the reference path (deepseek_v4_paged.py): gathering a chunk's keys per token would be
 quadratic.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,23 +78,32 @@ def _compress(c: WindowCompressor, cache: LayerCache, name: str, hidden: torch.T
     slot = step.state_slots[g]  # [T]
     if cache.snapshots:
         _restore(cache, name, step, m)
-    kv, gate = c.project(hidden, positions)  # [T, width] each
-    ring[slot, positions % ring.shape[1]] = torch.cat((kv, gate), dim=-1).to(ring.dtype)
-    n = (positions + 1) // m - 1  # the window each token would close
+    pages, scales = _pages(cache, name)
     cur = None  # the ring rows of each token's window, when the torch path gathered them
     if kernel:
-        from tandem.kernels.deepseek_v4_compress import deepseek_v4_compress_entries
+        from tandem.kernels.deepseek_v4_compress import (
+            deepseek_v4_compress_entries,
+            deepseek_v4_ring_write,
+        )
 
-        entries = deepseek_v4_compress_entries(ring, slot, positions, m, c.head_dim, c.overlap, c.kv_norm.weight,
-                                               c.kv_norm.eps, rotary.inv_freq, rotary.attention_scaling)
+        # kv_proj and gate_proj, then the ring rows, the pooled entries and (bf16 / fp32 pages) their
+        # page slots: three launches for what the torch path does in ~25
+        deepseek_v4_ring_write(ring, slot, positions, c.kv_proj(hidden), c.gate_proj(hidden), c.position_bias)
+        entries = deepseek_v4_compress_entries(
+            ring, slot, positions, m, c.head_dim, c.overlap, c.kv_norm.weight, c.kv_norm.eps, rotary.inv_freq,
+            rotary.attention_scaling, pages=None if scales is not None else pages, page_slots=step.slot_mappings[g],
+            sink_slot=_sink_slot(pages))
     else:
+        kv, gate = c.project(hidden, positions)  # [T, width] each
+        ring[slot, positions % ring.shape[1]] = torch.cat((kv, gate), dim=-1).to(ring.dtype)
         entries, cur = pool_entries(c, ring, slot, positions, rotary)
-    pages, scales = _pages(cache, name)
-    closes = ((positions + 1) % m == 0) & (n >= 0)
-    _write(pages, scales, torch.where(closes, step.slot_mappings[g], _sink_slot(pages)), entries)
+    if not kernel or scales is not None:
+        n = (positions + 1) // m - 1  # the window each token would close
+        closes = ((positions + 1) % m == 0) & (n >= 0)
+        _write(pages, scales, torch.where(closes, step.slot_mappings[g], _sink_slot(pages)), entries)
     snaps = cache.snapshots.get(name)
     if snaps is not None:  # the window's ring rows; non-boundary tokens hit the sink row
-        cur = _window_rows(ring, slot, n, m) if cur is None else cur
+        cur = _window_rows(ring, slot, (positions + 1) // m - 1, m) if cur is None else cur
         snaps[step.snapshot_slots[g]] = cur.to(snaps.dtype)
 
 
@@ -136,32 +150,33 @@ def _closed_entries(cache: LayerCache, name: str, step: StepMetadata, rows: torc
 
 
 def _indexer_topk(attn: DeepseekV4Attention, cache: LayerCache, hidden: torch.Tensor, q_latent: torch.Tensor,
-                  positions: torch.Tensor, rows: torch.Tensor, step: StepMetadata, rotary: InterleavedRotary,
-                  kernel: bool) -> torch.Tensor:
-    """Step 3: the indexer's pick per token, [T, index_topk] entry numbers (-1: none). `kernel`:
-    the scores in Triton (tandem/kernels/deepseek_v4_indexer.py: the keys streamed, not gathered
-    per token), else `IndexerScorer` on the gathered keys."""
+                  ctx: DecodeStep, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Step 3: the indexer's pick per token, [T, index_topk] entry numbers (-1: none). `ctx.kernel`:
+    the query's rotary and the scores in Triton (tandem/kernels/deepseek_v4_indexer.py: the keys
+    streamed, not gathered per token), else `IndexerScorer` on the gathered keys."""
     assert isinstance(attn.compressor, SparseCompressor)
     indexer = attn.compressor.indexer
-    T = hidden.shape[0]
-    cos, sin = rotary(positions, hidden.dtype)
-    q = indexer.q_b_proj(q_latent).view(T, 1, indexer.num_heads, indexer.head_dim)
-    q = apply_rope_tail(q, cos[:, None, None], sin[:, None, None])
+    T, positions, step = hidden.shape[0], ctx.positions, ctx.step
+    q = indexer.q_b_proj(q_latent).view(T, indexer.num_heads, indexer.head_dim)  # [T, Hi, Di]
     table = step.block_tables[cache.group]
-    idx = torch.arange(table.shape[1] * step.block_size, device=hidden.device)
-    closed = idx[None, :] < ((positions + 1) // indexer.ratio)[:, None]
-    if kernel:
+    closed_count = (positions + 1) // indexer.ratio  # [T]
+    if ctx.kernel:
         from tandem.kernels.deepseek_v4_indexer import deepseek_v4_indexer_scores
+        from tandem.kernels.deepseek_v4_rope import deepseek_v4_rope_tail
 
-        w = indexer.scorer.weights_proj(hidden).float() * indexer.scorer.w_scale  # [T, Hi]
-        scores = deepseek_v4_indexer_scores(q[:, 0], w, positions, rows, cache.index_pages, table, indexer.ratio,
-                                            cache.index_scales)
+        q = deepseek_v4_rope_tail(q, cos, sin)
+        w = indexer.scorer.weights_proj(hidden)  # [T, Hi]; times w_scale in float32 in the kernel
+        scores = deepseek_v4_indexer_scores(q, w, positions, ctx.rows, cache.index_pages, table, indexer.ratio,
+                                            cache.index_scales, w_scale=indexer.scorer.w_scale)
     else:
-        keys, _ = _closed_entries(cache, "indexer", step, rows, hidden.dtype)  # [T, N, Di]
+        q = apply_rope_tail(q[:, None], cos[:, None, None], sin[:, None, None])  # [T, 1, Hi, Di]
+        idx = torch.arange(table.shape[1] * step.block_size, device=hidden.device)
+        closed = idx[None, :] < closed_count[:, None]
+        keys, _ = _closed_entries(cache, "indexer", step, ctx.rows, hidden.dtype)  # [T, N, Di]
         scores = indexer.scorer(q, keys, hidden[:, None])[:, 0].masked_fill(~closed, float("-inf"))  # [T, N]
     k = min(indexer.topk, scores.shape[1])
     picked = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-    return torch.where(closed.gather(1, picked), picked, -1)
+    return torch.where(picked < closed_count[:, None], picked, -1)
 
 
 def _gather_attention(attn: DeepseekV4Attention, q: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
@@ -186,19 +201,62 @@ def _gather_attention(attn: DeepseekV4Attention, q: torch.Tensor, positions: tor
     return out[:, 0]
 
 
-def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, positions: torch.Tensor,
-                   caches: tuple[LayerCache, ...], step: StepMetadata, rotary: InterleavedRotary,
-                   kernel: bool) -> torch.Tensor:
-    """One V4 attention block over a decode / verify step's tokens: hidden [T, H] -> [T, H], the
-    caches updated. `kernel`: the Triton kernels (CUDA): the compressors' entries, the indexer's
-    scores, and the attention unless the pages are fp8 (it reads --dtype pages; the model logs that
-    at bind time), else the torch gathers."""
+@dataclass
+class DecodeStep:
+    """What every layer of one decode / verify step shares, made once per step: the tokens'
+    positions [T] int64, their request rows [T] (into the block tables), the step's metadata,
+    whether the Triton kernels run (`kernel`), and each rotary's cos/sin at the positions."""
+
+    positions: torch.Tensor
+    step: StepMetadata
+    kernel: bool
+    rows: torch.Tensor = field(init=False)
+    _rope: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = token_requests(self.step.query_start_loc, self.positions.shape[0])  # [T]
+
+    def rope(self, rotary: InterleavedRotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, rope_dim / 2] of `rotary` at the step's positions, computed once a step."""
+        key = (id(rotary), dtype)
+        if key not in self._rope:
+            self._rope[key] = rotary(self.positions, dtype)
+        return self._rope[key]
+
+
+def _project(attn: DeepseekV4Attention, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             window: LayerCache, slots: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`DeepseekV4Attention._project` of hidden [T, H], its K=V row written to the window's slots
+    -> (q_latent [T, Rq], q [T, Hh, D]). `kernel`: each norm + rotary in one Triton launch
+    (tandem/kernels/deepseek_v4_rope.py), the K=V row stored by the same launch unless fp8."""
+    if not kernel:
+        q_latent, q, kv = attn._project(hidden[None], cos, sin)  # [1, T, Rq], [1, T, Hh, D], [1, T, D]
+        _write(window.pages, window.scales, slots, kv[0])
+        return q_latent[0], q[0]
+    from tandem.kernels.deepseek_v4_rope import deepseek_v4_rope_tail
+
     T = hidden.shape[0]
-    rows = token_requests(step.query_start_loc, T)
-    cos, sin = rotary(positions, hidden.dtype)
-    q_latent, q, kv = attn._project(hidden[None], cos, sin)  # [1, T, Rq], [1, T, Hh, D], [1, T, D]
+    q_latent = attn.q_a_norm(attn.q_a_proj(hidden))  # [T, Rq]
+    q = attn.q_b_proj(q_latent).view(T, attn.num_heads, attn.head_dim)  # [T, Hh, D]
+    q = deepseek_v4_rope_tail(q, cos, sin, norm="unweighted", eps=attn.eps)
+    fp8 = window.scales is not None
+    kv = deepseek_v4_rope_tail(attn.kv_proj(hidden).view(T, 1, attn.head_dim), cos, sin, norm=attn.kv_norm.weight,
+                               eps=attn.kv_norm.eps, pages=None if fp8 else window.pages, slots=slots)  # [T, 1, D]
+    if fp8:
+        _write(window.pages, window.scales, slots, kv[:, 0])
+    return q_latent, q
+
+
+def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, caches: tuple[LayerCache, ...],
+                   ctx: DecodeStep, rotary: InterleavedRotary) -> torch.Tensor:
+    """One V4 attention block over a decode / verify step's tokens: hidden [T, H] -> [T, H], the
+    caches updated. `ctx.kernel`: the Triton kernels (CUDA): the norms and rotary, the compressors'
+    entries, the indexer's scores, and the attention unless the pages are fp8 (it reads --dtype
+    pages; the model logs that at bind time), else the torch gathers."""
+    positions, step, kernel, rows = ctx.positions, ctx.step, ctx.kernel, ctx.rows
+    cos, sin = ctx.rope(rotary, hidden.dtype)  # [T, rope_dim / 2]
     window = caches[0]
-    _write(window.pages, window.scales, step.slot_mappings[window.group], kv[0])
+    q_latent, q = _project(attn, hidden, cos, sin, window, step.slot_mappings[window.group], kernel)
     topk = None
     c = attn.compressor
     if c is not None:
@@ -206,16 +264,20 @@ def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, positions: t
         _compress(c, cache, "compressor", hidden, positions, step, rotary, kernel)
         if isinstance(c, SparseCompressor):
             _compress(c.indexer, cache, "indexer", hidden, positions, step, rotary, kernel)
-            topk = _indexer_topk(attn, cache, hidden, q_latent[0], positions, rows, step, rotary, kernel)
+            topk = _indexer_topk(attn, cache, hidden, q_latent, ctx, cos, sin)
     if kernel and window.scales is None:
         from tandem.kernels.deepseek_v4_attention import deepseek_v4_paged_attention
 
         entry = caches[1] if c is not None else None
         out = deepseek_v4_paged_attention(
-            q[0], positions, rows, window.pages, step.block_tables[window.group], attn.sliding_window, attn.scale,
+            q, positions, rows, window.pages, step.block_tables[window.group], attn.sliding_window, attn.scale,
             attn.sinks, entry_pages=None if entry is None else entry.pages,
             entry_table=None if entry is None else step.block_tables[entry.group],
-            ratio=0 if c is None else c.ratio, topk_idx=None if topk is None else topk.to(torch.int32))
+            ratio=0 if c is None else c.ratio, topk_idx=topk)
     else:
-        out = _gather_attention(attn, q[0], positions, rows, caches, step, topk)
+        out = _gather_attention(attn, q, positions, rows, caches, step, topk)
+    if kernel:
+        from tandem.kernels.deepseek_v4_rope import deepseek_v4_rope_tail
+
+        return attn.output_proj(deepseek_v4_rope_tail(out, cos, sin, inverse=True)[None])[0]
     return attn.output(out[None], cos, sin)[0]

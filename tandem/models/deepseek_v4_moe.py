@@ -105,5 +105,11 @@ class DeepseekV4MoE(RoutedExperts, nn.Module):
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], input_ids [T] (hash routing reads them) -> [T, H]."""
+        routed, shared = self.parts(hidden, input_ids)
+        return routed + shared
+
+    def parts(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` before its sum: (routed experts' output, shared expert's output), [T, H] each
+        (the decode path adds them inside the mHC merge kernel)."""
         ids, weights = self.gate(hidden, input_ids)
-        return self.executor(hidden, ids, weights) + self.shared_experts(hidden)
+        return self.executor(hidden, ids, weights), self.shared_experts(hidden)
