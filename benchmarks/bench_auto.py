@@ -119,8 +119,8 @@ class StepClock:
         execute, step = eng.runner.execute, eng.step
         mode = ["none"]
 
-        def traced_execute(batch):  # noqa: ANN001, ANN202
-            out = execute(batch)
+        def traced_execute(batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - execute's own
+            out = execute(batch, *args, **kwargs)
             mode[0] = out.mode
             return out
 

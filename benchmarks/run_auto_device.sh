@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-15 measurements in one device call (about 5 minutes on the H200): the K policies live
+# The issue-15 measurements in one device call (about 6 minutes on the H200; every policy: none, K = 1..4, phase, auto): the K policies live
 # on the demo pair, the speculative stage's host time, fresh traces with confidences, and their
 # replay against the Qwen3-30B-A3B shape. Results under $OUT (default ./out). The engine imports
 # llguidance: on the device machine carry its wheel (.whlg/) and put it on the path first:
@@ -12,7 +12,6 @@ mkdir -p "$out"
 python3 benchmarks/bench_spec_host.py --batches 1,4,16 --steps 2000 | tee "$out/spec_host.txt"
 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 4 --concurrency 1,4,16 \
     --rounds 6 --warmup-rounds 1 --prompts 24 --max-tokens 256 --stage-clock --step-clock \
-    --only "none,dspark K=3,dspark K=4,dspark phase,dspark auto,draft_model K=2,draft_model auto" \
     --out "$out/auto.json" --traces "$out/traces.json" 2>&1 | grep -v "INFO\|Loading\|Capturing\|^round"
 python3 benchmarks/bench_auto_replay.py --traces "$out/traces.json" --device cuda --kv-gib 4 \
     --concurrency 1,4,16 --out "$out/replay.json" 2>&1 | grep -v "INFO\|Loading\|Capturing"

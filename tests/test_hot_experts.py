@@ -226,7 +226,7 @@ def test_on_cuda_online_swaps_land_between_steps_and_keep_the_tokens(model_dir) 
     """Online hot experts on CUDA: swaps copied on a side stream land at step boundaries. fp32
     (eager): the all-CPU run's tokens; bf16 in decode graphs (the counting and the swapped weights
     live in the captured buffers): the eager bf16 run's tokens."""
-    # 6 fp32 experts: 2 of each layer's 8 hot in fp32, 4 in bf16, so the real routing has something to swap in
+    # 6 fp32 experts: 2 of each layer's 8 hot, so the real routing has something to swap in
     kw = dict(device="cuda", kv_cache_memory="64MiB", cpu_moe=True, hot_experts="online",
               hot_expert_memory=6 * 3 * 64 * 32 * 4)
     want = [o.token_ids for o in LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_memory="64MiB",
@@ -237,9 +237,11 @@ def test_on_cuda_online_swaps_land_between_steps_and_keep_the_tokens(model_dir) 
     assert llm.engine.model.cpu_experts.online.swaps > 0
     runs = []
     for eager in (True, False):
-        # bf16 experts are half the size: the same 2 of each layer's 8 hot (with the fp32 budget,
-        # 4 of 8, a run on the H200 made no swap)
-        bf16 = kw | {"hot_expert_memory": 6 * 3 * 64 * 32 * 2}
+        # bf16 experts are half the size: the same 2 of each layer's 8 hot. Streaming off: on the
+        # H200 the bf16 runs counted nothing (counts all 0, no swap) while fp32 swapped. A streamed
+        # step bypasses the hot experts, and bf16 is the dtype that streams on CUDA: with the tiny
+        # model's experts the cost model's threshold is the likely cause (not confirmed)
+        bf16 = kw | {"hot_expert_memory": 6 * 3 * 64 * 32 * 2, "stream_experts": "off"}
         llm = LLM(str(model_dir), dtype="bfloat16", enforce_eager=eager, **bf16)
         llm.engine.model.cpu_experts.online.interval = 4
         runs.append([o.token_ids for o in llm.generate(PROMPTS, GREEDY)])
