@@ -129,7 +129,7 @@ def bench_transformers(cfg: dict, device: str, prompt: int, new_tokens: int, pre
 
 
 def build_engine(cfg: dict, path: Path, device: str, max_num_seqs: int, max_len: int, kv_gib: float,
-                 chunk: int = 2048) -> LLMEngine:
+                 chunk: int = 2048, prefix_caching: bool = False) -> LLMEngine:
     """Prompts are prefilled in `chunk`-token steps: the paged reference prefill builds dense
     [heads, chunk, window + chunk] logits per layer, 4 GiB at 8K in one step on V4-Flash."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -139,7 +139,7 @@ def build_engine(cfg: dict, path: Path, device: str, max_num_seqs: int, max_len:
     randomize_routing_(model)
     config = EngineConfig(
         model=ModelConfig(str(path), dtype, device, max_model_len=max_len + 1024),
-        cache=CacheConfig(kv_cache_memory=int(kv_gib * (1 << 30)), enable_prefix_caching=False),
+        cache=CacheConfig(kv_cache_memory=int(kv_gib * (1 << 30)), enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=min(chunk, max_len)),
         runner=RunnerConfig(),
     )
@@ -157,6 +157,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--kv-gib", type=float, default=8.0)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="prefix caching on, as `tandem serve` defaults (V4's compressors then also keep overlap "
+                         "snapshots at every step); off by default, as in the earlier entries")
     ap.add_argument("--async-scheduling", choices=("both", "on", "off"), default="both",
                     help="decode with the host's step overlapping the GPU's (on), without (off), or both in turn")
     ap.add_argument("--profile", action="store_true",
@@ -173,7 +176,9 @@ def main() -> None:
               f"{results['transformers']['prefill_tok_s']:.0f} tok/s", flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     with model_dir(cfg) as path:
-        engine = build_engine(cfg, path, args.device, max(batches), args.prefill, args.kv_gib)
+        engine = build_engine(cfg, path, args.device, max(batches), args.prefill, args.kv_gib,
+                              prefix_caching=args.prefix_caching)
+        results["prefix_caching"] = args.prefix_caching
         need = decode_bytes_per_token(engine.model, args.prompt + args.new_tokens // 2)
         results["bytes_per_token"] = need
         if "hbm_bytes_per_s" in results:
