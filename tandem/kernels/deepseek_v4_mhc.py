@@ -13,8 +13,8 @@ fn)` in float32 over x = streams.flatten(-2) (`HyperConnection.fn`, or `HyperHea
 `_hc_mix_kernel` computes it on a grid (T, S): every program takes the statistic over the whole row
 (the row is N*H values, read from L2), scales its K chunk of x by it and dots that with its chunk
 of every fn row (read in fn's dtype, widened to float32: the reference's `fn.float()`), writing
-partial sums; the kernels that read `mixes` sum the S partials in order (S = 1: the plain linear
-map). The torch path's four launches (cast, norm, weight cast, cuBLAS's split-K GEMV and its
+partial sums; the kernels that read `mixes` sum the S partials in one fixed order (one load of
+all S, then a reduction; S = 1: the plain linear map). The torch path's four launches (cast, norm, weight cast, cuBLAS's split-K GEMV and its
 reduce) become one; S programs keep fn's bytes (1.5 MB at V4-Flash in bf16) streaming.
 
 From the mixes, per token, as `HyperConnection.forward` in tandem/models/deepseek_v4.py (float32 throughout):
@@ -46,6 +46,9 @@ import triton.language as tl
 _BLOCK_H = 512
 _MIX_CHUNK = 512  # K values per program of the mix: 32 programs at V4-Flash (N*H = 16384)
 _MIX_BLOCK_K = 128
+# Values per pass of the statistic: 8 passes at V4-Flash (with 128 passes of 128 values the kernel
+# took 14.7 us a call on the H200, its passes latency-bound)
+_MIX_STAT_K = 2048
 
 
 @triton.jit
@@ -53,16 +56,17 @@ def _hc_mix_kernel(
     streams_ptr, fn_ptr, out_ptr,
     hidden, rows, eps,
     stride_st, stride_sn, stride_fn, stride_ot, stride_os,
-    N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, STAT_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     K = N * hidden
     x_row = streams_ptr + t * stride_st
-    # the statistic over the whole flattened row, in the same order in every program
-    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+    # The statistic over the whole flattened row, in the same order in every program. Wide tiles:
+    # the loop is latency-bound (one L2 read per pass), so few passes is what makes it cheap.
+    sq = tl.zeros([STAT_K], dtype=tl.float32)
+    for k0 in range(0, K, STAT_K):
+        k = k0 + tl.arange(0, STAT_K)
         x = tl.load(x_row + (k // hidden) * stride_sn + k % hidden, mask=k < K, other=0.0).to(tl.float32)
         sq += x * x
     r = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
@@ -79,12 +83,20 @@ def _hc_mix_kernel(
 
 
 @triton.jit
-def _mix_sum(mix, stride_ms, SPLITS, offs, mask):
-    """The mixes at offs: the sum of the SPLITS partials, in order."""
-    total = tl.load(mix + offs, mask=mask, other=0.0)
-    for s in range(1, SPLITS):
-        total += tl.load(mix + s * stride_ms + offs, mask=mask, other=0.0)
-    return total
+def _mix_sum(mix, stride_ms, SPLITS, offs, mask, BLOCK_S: tl.constexpr):
+    """The mixes at offs [BLOCK_N]: the sum of the SPLITS partials, all read in one load (a loop of
+    dependent reads was most of `_hc_pre_kernel`'s time) and reduced in a fixed order, the same in
+    every kernel that reads them (`_mix_sum_2d` too)."""
+    s = tl.arange(0, BLOCK_S)[:, None]
+    return tl.sum(tl.load(mix + s * stride_ms + offs[None, :], mask=(s < SPLITS) & mask[None, :], other=0.0), axis=0)
+
+
+@triton.jit
+def _mix_sum_2d(mix, stride_ms, SPLITS, offs, mask, BLOCK_S: tl.constexpr):
+    """`_mix_sum` at offs [BLOCK_N, BLOCK_N]."""
+    s = tl.arange(0, BLOCK_S)[:, None, None]
+    ok = (s < SPLITS) & mask[None, :, :]
+    return tl.sum(tl.load(mix + s * stride_ms + offs[None, :, :], mask=ok, other=0.0), axis=0)
 
 
 @triton.jit
@@ -93,6 +105,7 @@ def _hc_pre_kernel(
     hidden, hc_eps, splits,
     stride_st, stride_sn, stride_mt, stride_ms, stride_ot,
     N: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr, BLOCK_H: tl.constexpr, FULL: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -101,7 +114,7 @@ def _hc_pre_kernel(
     s_pre = tl.load(scale_ptr).to(tl.float32)
     j = tl.arange(0, BLOCK_N)
     in_n = j < N
-    pre_mix = _mix_sum(mix, stride_ms, splits, j, in_n)  # [BLOCK_N]
+    pre_mix = _mix_sum(mix, stride_ms, splits, j, in_n, BLOCK_S)  # [BLOCK_N]
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for n in tl.static_range(N):
         pre_n = tl.sum(tl.where(j == n, pre_mix, 0.0), axis=0)  # lane n (the others add 0)
@@ -111,7 +124,7 @@ def _hc_pre_kernel(
     tl.store(out_ptr + t * stride_ot + h, acc.to(out_ptr.dtype.element_ty), mask=in_h)
     if FULL and tl.program_id(1) == 0:
         s_post = tl.load(scale_ptr + 1).to(tl.float32)
-        post_x = (_mix_sum(mix, stride_ms, splits, N + j, in_n) * s_post
+        post_x = (_mix_sum(mix, stride_ms, splits, N + j, in_n, BLOCK_S) * s_post
                   + tl.load(base_ptr + N + j, mask=in_n, other=0.0).to(tl.float32))
         tl.store(post_ptr + t * N + j, 2.0 * tl.sigmoid(post_x), mask=in_n)
         # The Sinkhorn projection of the [N, N] mixing logits; padded lanes hold 0 after every pass.
@@ -119,7 +132,7 @@ def _hc_pre_kernel(
         valid = (rows < N) & (cols < N)
         s_comb = tl.load(scale_ptr + 2).to(tl.float32)
         at = 2 * N + rows * N + cols
-        logits = (_mix_sum(mix, stride_ms, splits, at, valid) * s_comb
+        logits = (_mix_sum_2d(mix, stride_ms, splits, at, valid, BLOCK_S) * s_comb
                   + tl.load(base_ptr + at, mask=valid, other=0.0).to(tl.float32))
         logits = tl.where(valid, logits, -1e30)  # finite: a padded row's max minus itself is 0, not NaN
         e = tl.where(valid, tl.exp(logits - tl.max(logits, axis=1)[:, None]), 0.0)
@@ -169,7 +182,7 @@ def _check_streams(streams: torch.Tensor) -> None:
 def deepseek_v4_hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """See the module docstring: streams [T, N, H], fn [M, N*H] (any float dtype) -> the split-K
     partials of `F.linear(unweighted_rms_norm(streams.flatten(-2).float()), fn.float())`, [T, S, M]
-    float32 (their sum over S, in order, is the linear map)."""
+    float32 (their sum over S is the linear map)."""
     _check_streams(streams)
     T, N, H = streams.shape
     if fn.dim() != 2 or fn.shape[1] != N * H or fn.stride(-1) != 1:
@@ -181,7 +194,8 @@ def deepseek_v4_hc_mix(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float)
         _hc_mix_kernel[(T, splits)](
             streams, fn, out, H, rows, float(norm_eps),
             streams.stride(0), streams.stride(1), fn.stride(0), out.stride(0), out.stride(1),
-            N=N, CHUNK=_MIX_CHUNK, BLOCK_K=_MIX_BLOCK_K, BLOCK_M=triton.next_power_of_2(rows), num_warps=4)
+            N=N, CHUNK=_MIX_CHUNK, BLOCK_K=_MIX_BLOCK_K, BLOCK_M=triton.next_power_of_2(rows),
+            STAT_K=min(triton.next_power_of_2(N * H), _MIX_STAT_K), num_warps=4)
     return out
 
 
@@ -205,7 +219,8 @@ def _collapse(streams: torch.Tensor, parts: torch.Tensor, base: torch.Tensor, sc
         _hc_pre_kernel[(T, triton.cdiv(H, _BLOCK_H))](
             streams, parts, base.contiguous(), scale.contiguous(), out, post, comb, H, hc_eps, parts.shape[1],
             streams.stride(0), streams.stride(1), parts.stride(0), parts.stride(1), out.stride(0),
-            N=N, BLOCK_N=triton.next_power_of_2(N), ITERS=max(iters, 1), BLOCK_H=_BLOCK_H, FULL=full)
+            N=N, BLOCK_N=triton.next_power_of_2(N), ITERS=max(iters, 1), BLOCK_H=_BLOCK_H, FULL=full,
+            BLOCK_S=triton.next_power_of_2(parts.shape[1]))
     return out, post, comb
 
 
