@@ -1,5 +1,6 @@
 """DeepSeek-V4's decode path with its Triton kernels wired in (the attention, the indexer's
-scores, the mHC and the compressors' entries), against the same path in torch, through the engine: greedy tokens equal. Without CUDA the
+scores, the mHC and the compressors' entries, with prefix caching the overlap snapshot's write and
+restore), against the same path in torch, through the engine: greedy tokens equal. Without CUDA the
 kernels run in Triton's interpreter on CPU tensors (the kernels' own tests are in
 test_v4_attention_kernel.py, test_v4_indexer_kernel.py, test_v4_mhc_kernel.py and
 test_v4_compress_kernel.py)."""
@@ -14,7 +15,7 @@ interpret_without_cuda()  # before anything imports Triton
 pytest.importorskip("transformers.models.deepseek_v4")
 from test_deepseek_v4_engine import GREEDY, prompts, save_v4  # noqa: E402
 
-from tandem import LLM  # noqa: E402
+from tandem import LLM, SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +45,52 @@ def test_decode_steps_through_the_kernels_give_the_torch_tokens(kernels, tmp_pat
     got = [o.token_ids for o in llm.generate(ps, GREEDY)]
     assert set(names) <= set(calls)
     assert got == want
+
+
+def test_prefix_hits_through_the_kernels_give_the_torch_tokens(kernels, tmp_path, monkeypatch) -> None:
+    """With prefix caching: a decode step crossing a prefix boundary writes the overlap snapshot in
+    `_pool_kernel`, and a later request hitting that prefix with one token left restores it in its
+    decode step (`deepseek_v4_snapshot_restore`). The snapshots are scrambled before the first request and
+    every state ring before the hit, so the hit's tokens hold only if the kernels wrote and
+    restored the snapshot: the torch path's."""
+    import torch
+
+    save_v4(tmp_path, "all_kinds")
+    first = prompts((120,), seed=12)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # decodes past 128
+    kw = {"device": "cpu", "kv_cache_memory": "8MiB", "block_size": 8}
+
+    def scramble(llm: LLM, what: str, g: torch.Generator) -> None:
+        for layer in llm.engine.kv_caches:
+            for cache in layer:
+                for t in getattr(cache, what).values():
+                    t.copy_(torch.randn(t.shape, generator=g) * 10)
+
+    def run(llm: LLM) -> list[list[int]]:
+        g = torch.Generator().manual_seed(0)
+        scramble(llm, "snapshots", g)  # a snapshot the step does not write stays garbage
+        a = llm.generate([first], params)[0]
+        scramble(llm, "state", g)  # nothing a hit needs is left in the rings but the snapshots
+        hit = llm.generate([first + a.token_ids[:8] + [7]], params)[0]
+        assert a.num_cached_tokens == 0 and hit.num_cached_tokens == 128
+        return [a.token_ids, hit.token_ids]
+
+    want = run(LLM(str(tmp_path), **kw))
+    llm = LLM(str(tmp_path), **kw)
+    assert llm.engine.kv.unit in (64, 128)
+    llm.engine.model._kernel = True
+    compress, seen = kernels[3], {"restored": 0, "snapshots": 0}
+    restore, entries = compress.deepseek_v4_snapshot_restore, compress.deepseek_v4_compress_entries
+
+    def spy_restore(rings, snapshots, slots, restore_ids, *a):
+        seen["restored"] += int((restore_ids >= 0).sum())
+        return restore(rings, snapshots, slots, restore_ids, *a)
+
+    def spy_entries(*a, snapshots=None, **k):
+        seen["snapshots"] += snapshots is not None
+        return entries(*a, snapshots=snapshots, **k)
+
+    monkeypatch.setattr(compress, "deepseek_v4_snapshot_restore", spy_restore)
+    monkeypatch.setattr(compress, "deepseek_v4_compress_entries", spy_entries)
+    assert run(llm) == want
+    assert seen["restored"] >= 1 and seen["snapshots"] > 0

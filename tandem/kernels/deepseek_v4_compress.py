@@ -1,12 +1,15 @@
 """DeepSeek-V4's compressor state and entries for decode / verify steps in three Triton kernels,
 replacing ~40 torch launches per compressor and step (the position-bias add and the ring write, the
-window gathers, the slot softmax, the weighted sum, `kv_norm`, the rotary tail and the page write).
+window gathers, the slot softmax, the weighted sum, `kv_norm`, the rotary tail and the page write),
+and, with prefix caching, a fourth that restores the overlap snapshot after a prefix hit.
 
     deepseek_v4_ring_write(ring, slots [T], positions [T], kv [T, W], gate [T, W], position_bias [m, W])
     deepseek_v4_compress_entries(ring [S + 1, R, 2W], slots [T], positions [T], ratio, head_dim,
                                  overlap, norm_weight [D], eps, inv_freq [rope_dim / 2], scaling,
-                                 pages, page_slots [T], sink_slot)
+                                 pages, page_slots [T], sink_slot, snapshots, snapshot_slots [T])
         -> entries [T, D] in the ring's dtype (also stored to the pages when given)
+    deepseek_v4_snapshot_restore(rings [(S + 1, R, C)] x1-2, snapshots [(N + 1, m, C)] x1-2,
+                                 request_slots [B], restore_ids [B], seq_lens [B], query_start_loc [B + 1])
 
 For token t at position p of the request in ring slot s, window n = (p + 1) // m - 1 (m = ratio;
 R = ring rows, a multiple of m; W = the projection width, 2D with `overlap` and D without) is
@@ -24,13 +27,22 @@ pooled exactly as `_compress` in tandem/models/deepseek_v4_decode.py does:
 A token that closes no window (n < 0) pools rows anyway (its entry goes to the sink): the same work
 whatever the position, so a graph captures it. `_pool_kernel` runs on (T, cdiv(D, BLOCK_D)): two
 passes over the slots per channel tile (the max and the sum of exponentials, then the rounded
-weights times the values). `_norm_rope_kernel` runs on (T,): the norm over D, then each rotary
-channel with its pair partner (loaded again rather than shuffled in registers), and with `pages`
-the store to the entry's page slot (or the sink). `_ring_write_kernel`, on (T, cdiv(W, BLOCK)), is
-step 1 before them: the token's (kv | gate + position_bias[p % m]) to ring row p % R of its slot.
+weights times the values), and with `snapshots` a copy of the m rows of window n (all 2W columns,
+the tile's channel in each D-wide quarter or half) to snapshot row snapshot_slots[t] (the null row
+unless the token ends a prefix unit). `_norm_rope_kernel` runs on (T,): the norm over D, then each
+rotary channel with its pair partner (loaded again rather than shuffled in registers), and with
+`pages` the store to the entry's page slot (or the sink). `_ring_write_kernel`, on (T, cdiv(W, BLOCK)),
+is step 1 before them: the token's (kv | gate + position_bias[p % m]) to ring row p % R of its slot.
+`_snapshot_restore_kernel`, on (B, m), runs before all of them, once for a layer's rings (a CSA
+layer's compressor and indexer): for a request with restore id >= 0, ring rows of window
+start // m - 1 (start = seq_len - query length) of its slot become the snapshot's; a request
+without one (-1, pads too) loads and stores nothing. All of it is data
+movement: bit-identical to the torch path.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -62,10 +74,11 @@ def _slot_layout(s, d, n, ratio, rows, head_dim, num_slots, in_d, OVERLAP: tl.co
 
 @triton.jit
 def _pool_kernel(
-    ring_ptr, slot_ptr, pos_ptr, out_ptr,
+    ring_ptr, slot_ptr, pos_ptr, out_ptr, snap_ptr, snap_slot_ptr,
     ratio, rows, head_dim, width,
-    stride_rs, stride_rr, stride_ot,
+    stride_rs, stride_rr, stride_ot, stride_ss, stride_sr,
     OVERLAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    SNAPSHOT: tl.constexpr, COLS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -100,6 +113,16 @@ def _pool_kernel(
         kv = tl.load(base + row[:, None] * stride_rr + kv_col, mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(tl.where(mask, (kv * w).to(dtype).to(tl.float32), 0.0), axis=0)
     tl.store(out_ptr + t * stride_ot + d, acc.to(dtype), mask=in_d)
+    if SNAPSHOT:  # window n's m rows to the token's snapshot row; COLS D-wide column groups make 2W
+        snap = snap_ptr + tl.load(snap_slot_ptr + t) * stride_ss
+        for j0 in range(0, ratio, BLOCK_S):
+            j = j0 + tl.arange(0, BLOCK_S)
+            row = ((n * ratio + j) % rows + rows) % rows
+            mask = (j < ratio)[:, None] & in_d[None, :]
+            for k in tl.static_range(COLS):
+                col = k * head_dim + d[None, :]
+                v = tl.load(base + row[:, None] * stride_rr + col, mask=mask)
+                tl.store(snap + j[:, None] * stride_sr + col, v.to(snap_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -121,6 +144,38 @@ def _ring_write_kernel(
     tl.store(row + c, kv.to(dtype), mask=in_c)
     # torch adds in the projections' dtype (float32 math, one rounding), then the ring's cast
     tl.store(row + width + c, (gate + bias).to(gate_ptr.dtype.element_ty).to(dtype), mask=in_c)
+
+
+@triton.jit
+def _restore_row(ring_ptr, snap_ptr, slot, row, sid, j, cols, stride_rs, stride_rr, stride_ss, stride_sr,
+                 BLOCK: tl.constexpr):
+    """Ring row `row` of state slot `slot` becomes row j of snapshot sid; nothing when sid < 0."""
+    dst = ring_ptr + slot * stride_rs + row * stride_rr
+    src = snap_ptr + tl.maximum(sid, 0) * stride_ss + j * stride_sr
+    for c0 in range(0, cols, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        mask = (c < cols) & (sid >= 0)  # no restore: nothing loaded or stored
+        tl.store(dst + c, tl.load(src + c, mask=mask).to(ring_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _snapshot_restore_kernel(
+    ring_ptr, snap_ptr, ring2_ptr, snap2_ptr, slot_ptr, restore_ptr, seq_ptr, qsl_ptr,
+    ratio, rows, cols, cols2,
+    stride_rs, stride_rr, stride_ss, stride_sr, stride2_rs, stride2_rr, stride2_ss, stride2_sr,
+    BLOCK: tl.constexpr, PAIRS: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    sid = tl.load(restore_ptr + b)
+    slot = tl.load(slot_ptr + b)
+    start = (tl.load(seq_ptr + b) - (tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b))).to(tl.int64)
+    # row j of window start // m - 1 (start is a multiple of m when sid >= 0; a pad's is anything)
+    row = (((start // ratio - 1) * ratio + j) % rows + rows) % rows
+    _restore_row(ring_ptr, snap_ptr, slot, row, sid, j, cols, stride_rs, stride_rr, stride_ss, stride_sr, BLOCK)
+    if PAIRS == 2:  # a CSA layer's indexer ring: the same windows, narrower rows
+        _restore_row(ring2_ptr, snap2_ptr, slot, row, sid, j, cols2, stride2_rs, stride2_rr, stride2_ss, stride2_sr,
+                     BLOCK)
 
 
 @triton.jit
@@ -184,10 +239,14 @@ def deepseek_v4_ring_write(ring: torch.Tensor, slots: torch.Tensor, positions: t
 def deepseek_v4_compress_entries(ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, ratio: int,
                                  head_dim: int, overlap: bool, norm_weight: torch.Tensor, eps: float,
                                  inv_freq: torch.Tensor, scaling: float, pages: torch.Tensor | None = None,
-                                 page_slots: torch.Tensor | None = None, sink_slot: int = 0) -> torch.Tensor:
+                                 page_slots: torch.Tensor | None = None, sink_slot: int = 0,
+                                 snapshots: torch.Tensor | None = None,
+                                 snapshot_slots: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. `pages` (contiguous, rows [.., D] in the flat slot order of the
     paged cache) with `page_slots` [T]: each entry is also stored at flat row page_slots[t] when
-    its token closes its window, else at `sink_slot` (what `_compress` writes)."""
+    its token closes its window, else at `sink_slot` (what `_compress` writes). `snapshots`
+    [N + 1, m, 2W] with `snapshot_slots` [T]: snapshot row snapshot_slots[t] becomes the m ring rows
+    of token t's window, as `_compress`'s snapshot write (the null row N takes every other token)."""
     _, R, two_width = ring.shape
     width = two_width // 2
     if width != (2 * head_dim if overlap else head_dim) or R % ratio or ring.stride(-1) != 1:
@@ -201,9 +260,15 @@ def deepseek_v4_compress_entries(ring: torch.Tensor, slots: torch.Tensor, positi
     out = torch.empty_like(pooled)
     if T == 0:
         return out
+    snap = snapshots is not None
+    if snap and (snapshot_slots is None or snapshots.shape[1:] != (ratio, two_width) or snapshots.stride(-1) != 1):
+        raise ValueError(f"snapshots {tuple(snapshots.shape)} do not hold ratio-{ratio} windows of ring rows "
+                         f"{two_width} wide (need [N + 1, {ratio}, {two_width}], rows contiguous, and snapshot_slots [T])")
     _pool_kernel[(T, triton.cdiv(head_dim, _BLOCK_D))](
-        ring, slots, positions, pooled, ratio, R, head_dim, width, ring.stride(0), ring.stride(1), pooled.stride(0),
-        OVERLAP=overlap, BLOCK_S=_BLOCK_S, BLOCK_D=_BLOCK_D)
+        ring, slots, positions, pooled, snapshots if snap else pooled, snapshot_slots if snap else positions,
+        ratio, R, head_dim, width, ring.stride(0), ring.stride(1), pooled.stride(0),
+        snapshots.stride(0) if snap else 0, snapshots.stride(1) if snap else 0,
+        OVERLAP=overlap, BLOCK_S=_BLOCK_S, BLOCK_D=_BLOCK_D, SNAPSHOT=snap, COLS=two_width // head_dim)
     write = pages is not None
     if write and (page_slots is None or pages.shape[-1] != head_dim or not pages.is_contiguous()):
         raise ValueError(f"the entry write takes contiguous pages of rows [.., {head_dim}] and page_slots [T]")
@@ -212,3 +277,34 @@ def deepseek_v4_compress_entries(ring: torch.Tensor, slots: torch.Tensor, positi
         ratio, head_dim, rope_dim, eps, scaling, sink_slot,
         pooled.stride(0), out.stride(0), head_dim, BLOCK=triton.next_power_of_2(head_dim), WRITE=write)
     return out
+
+
+def deepseek_v4_snapshot_restore(rings: Sequence[torch.Tensor], snapshots: Sequence[torch.Tensor],
+                                 request_slots: torch.Tensor, restore_ids: torch.Tensor, seq_lens: torch.Tensor,
+                                 query_start_loc: torch.Tensor) -> None:
+    """`_restore` (tandem/models/deepseek_v4_decode.py) in one launch, before the step's ring
+    writes, for one or two rings (a CSA layer's compressor and indexer) and their snapshots: for
+    each request b with restore_ids[b] >= 0, ring rows of window start // m - 1 of its slot
+    request_slots[b] become snapshots[restore_ids[b]] [m, C] (start = seq_lens[b] - its query
+    length, m = the snapshots' shape[1]); the others are left alone. No host sync: a graph captures it."""
+    if not 1 <= len(rings) == len(snapshots) <= 2:
+        raise ValueError(f"{len(rings)} rings and {len(snapshots)} snapshots: give one or two pairs")
+    R, ratio, B = rings[0].shape[1], snapshots[0].shape[1], restore_ids.shape[0]
+    for ring, snaps in zip(rings, snapshots):
+        if ring.shape[1] != R or snaps.shape[1:] != (ratio, ring.shape[2]) or R % ratio or ring.stride(-1) != 1 \
+                or snaps.stride(-1) != 1:
+            raise ValueError(f"ring {tuple(ring.shape)} and snapshots {tuple(snaps.shape)} do not fit (need [S + 1, {R}, C] "
+                             f"and [N + 1, {ratio}, C], {ratio} dividing {R}, rows contiguous)")
+    if request_slots.shape != (B,) or seq_lens.shape != (B,) or query_start_loc.shape != (B + 1,):
+        raise ValueError(f"request slots {tuple(request_slots.shape)}, restore ids {tuple(restore_ids.shape)}, seq_lens "
+                         f"{tuple(seq_lens.shape)} and query_start_loc {tuple(query_start_loc.shape)}: need [B] x3, [B + 1]")
+    if B == 0:
+        return
+    pairs = len(rings)
+    ring2, snap2 = rings[-1], snapshots[-1]
+    _snapshot_restore_kernel[(B, ratio)](
+        rings[0], snapshots[0], ring2, snap2, request_slots, restore_ids, seq_lens, query_start_loc,
+        ratio, R, rings[0].shape[2], ring2.shape[2],
+        rings[0].stride(0), rings[0].stride(1), snapshots[0].stride(0), snapshots[0].stride(1),
+        ring2.stride(0), ring2.stride(1), snap2.stride(0), snap2.stride(1),
+        BLOCK=min(1024, triton.next_power_of_2(max(r.shape[2] for r in rings))), PAIRS=pairs)

@@ -13,15 +13,16 @@ Per compressed layer and token p (ratio m, ring of R = state_ring * m rows per r
 3. the CSA indexer scores every entry the block table covers, masks the unclosed ones and keeps
    its top `index_topk` (a stable sort: ties go to the lower entry, as in the reference).
 
-The first step after a prefix hit first copies the overlap snapshot into the ring (`restore_ids`).
+The first step after a prefix hit first copies the overlap snapshot into the rings (`restore_ids`;
+in a graph that copy launches every step, a no-op for a request with nothing to restore).
 The attention itself is `deepseek_v4_paged_attention` (Triton, tandem/kernels/) on CUDA, or the
 gather below, which is the same math in torch and serves CPU and fp8 pages; steps 1-2 are
-`deepseek_v4_ring_write` and `deepseek_v4_compress_entries` on CUDA, or `pool_entries` below; the
-norms and rotary of q, the K=V row (with its window write) and the output are
-`deepseek_v4_rope_tail` launches. What every layer shares (positions, request rows, cos/sin) is
-made once a step (`DecodeStep`). Steps with a prefill
-chunk keep the reference path (deepseek_v4_paged.py): gathering a chunk's keys per token would be
-quadratic.
+`deepseek_v4_ring_write` and `deepseek_v4_compress_entries` on CUDA (the latter also writes the
+snapshot; `deepseek_v4_snapshot_restore` restores a layer's snapshots in one launch), or
+`pool_entries` below; the norms and rotary of q, the K=V row (with its window write) and the output
+are `deepseek_v4_rope_tail` launches. What every layer shares (positions, request rows, cos/sin) is
+made once a step (`DecodeStep`). Steps with a prefill chunk keep the reference path
+(deepseek_v4_paged.py): gathering a chunk's keys per token would be quadratic.
 """
 
 from __future__ import annotations
@@ -56,55 +57,69 @@ def _sink_slot(pages: torch.Tensor) -> int:
     return (n - 1) * bs
 
 
-def _restore(cache: LayerCache, name: str, step: StepMetadata, ratio: int) -> None:
-    """First step after a prefix hit: window start // ratio - 1 of each restoring request's ring
-    becomes its snapshot (the others rewrite what they hold)."""
-    g = cache.group
-    restore, slots = step.restore_ids[g], step.request_state_slots[g]
-    ring, snaps = cache.state[name], cache.snapshots[name]
+def _restore(cache: LayerCache, step: StepMetadata, ratio: int, kernel: bool) -> None:
+    """First step after a prefix hit: window start // ratio - 1 of each restoring request's rings
+    (every ring with snapshots: CSA's compressor and indexer) becomes its snapshots (the others
+    rewrite what they hold). `kernel`: one Triton launch for all of them (a no-op program for a
+    request without a restore), else torch (the reference)."""
+    g, names = cache.group, tuple(cache.snapshots)
+    restore, slots = step.restore_ids[g], step.request_state_slots[g]  # [B] each
+    if kernel:
+        from tandem.kernels.deepseek_v4_compress import deepseek_v4_snapshot_restore
+
+        deepseek_v4_snapshot_restore([cache.state[n] for n in names], [cache.snapshots[n] for n in names], slots,
+                                     restore, step.seq_lens, step.query_start_loc)
+        return
     start = (step.seq_lens - (step.query_start_loc[1:] - step.query_start_loc[:-1])).long()  # [B]
-    R = ring.shape[1]
-    rows = ((start // ratio - 1)[:, None] * ratio + torch.arange(ratio, device=ring.device)) % R  # [B, m]
-    held = ring[slots[:, None], rows]
-    ring[slots[:, None], rows] = torch.where(restore[:, None, None] >= 0, snaps[restore.clamp(min=0)], held)
+    for name in names:
+        ring, snaps = cache.state[name], cache.snapshots[name]
+        R = ring.shape[1]
+        rows = ((start // ratio - 1)[:, None] * ratio + torch.arange(ratio, device=ring.device)) % R  # [B, m]
+        held = ring[slots[:, None], rows]
+        ring[slots[:, None], rows] = torch.where(restore[:, None, None] >= 0, snaps[restore.clamp(min=0)], held)
 
 
 def _compress(c: WindowCompressor, cache: LayerCache, name: str, hidden: torch.Tensor, positions: torch.Tensor,
               step: StepMetadata, rotary: InterleavedRotary, kernel: bool = False) -> None:
-    """Steps 1-2 of the module docstring for one compressor (the layer's, or the CSA indexer's).
-    `kernel`: the pooling, norm and rotary in Triton (tandem/kernels/deepseek_v4_compress.py)."""
+    """Steps 1-2 of the module docstring for one compressor (the layer's, or the CSA indexer's),
+    with the snapshot write when prefix caching holds snapshots (after `_restore`). `kernel`: in
+    Triton (tandem/kernels/deepseek_v4_compress.py), else in torch (the reference)."""
     g, m = cache.group, c.ratio
     ring = cache.state[name]  # [S + 1, R, 2 * width]
     slot = step.state_slots[g]  # [T]
-    if cache.snapshots:
-        _restore(cache, name, step, m)
+    snaps = cache.snapshots.get(name)  # [N + 1, m, 2 * width] with prefix caching (CSA), else None
     pages, scales = _pages(cache, name)
-    cur = None  # the ring rows of each token's window, when the torch path gathered them
     if kernel:
         from tandem.kernels.deepseek_v4_compress import (
             deepseek_v4_compress_entries,
             deepseek_v4_ring_write,
         )
 
-        # kv_proj and gate_proj, then the ring rows, the pooled entries and (bf16 / fp32 pages) their
-        # page slots: three launches for what the torch path does in ~25
+        # kv_proj and gate_proj, then the ring rows, the pooled entries with the snapshot write and
+        # (bf16 / fp32 pages) their page slots: three launches for what the torch path does in ~25
+        # (~35 with snapshots)
         deepseek_v4_ring_write(ring, slot, positions, c.kv_proj(hidden), c.gate_proj(hidden), c.position_bias)
         entries = deepseek_v4_compress_entries(
             ring, slot, positions, m, c.head_dim, c.overlap, c.kv_norm.weight, c.kv_norm.eps, rotary.inv_freq,
             rotary.attention_scaling, pages=None if scales is not None else pages, page_slots=step.slot_mappings[g],
-            sink_slot=_sink_slot(pages))
-    else:
-        kv, gate = c.project(hidden, positions)  # [T, width] each
-        ring[slot, positions % ring.shape[1]] = torch.cat((kv, gate), dim=-1).to(ring.dtype)
-        entries, cur = pool_entries(c, ring, slot, positions, rotary)
-    if not kernel or scales is not None:
-        n = (positions + 1) // m - 1  # the window each token would close
-        closes = ((positions + 1) % m == 0) & (n >= 0)
-        _write(pages, scales, torch.where(closes, step.slot_mappings[g], _sink_slot(pages)), entries)
-    snaps = cache.snapshots.get(name)
+            sink_slot=_sink_slot(pages), snapshots=snaps, snapshot_slots=step.snapshot_slots[g] if snaps is not None
+            else None)
+        if scales is not None:
+            _write(pages, scales, _entry_slots(step.slot_mappings[g], positions, m, pages), entries)
+        return
+    kv, gate = c.project(hidden, positions)  # [T, width] each
+    ring[slot, positions % ring.shape[1]] = torch.cat((kv, gate), dim=-1).to(ring.dtype)
+    entries, cur = pool_entries(c, ring, slot, positions, rotary)
+    _write(pages, scales, _entry_slots(step.slot_mappings[g], positions, m, pages), entries)
     if snaps is not None:  # the window's ring rows; non-boundary tokens hit the sink row
-        cur = _window_rows(ring, slot, (positions + 1) // m - 1, m) if cur is None else cur
         snaps[step.snapshot_slots[g]] = cur.to(snaps.dtype)
+
+
+def _entry_slots(slot_mapping: torch.Tensor, positions: torch.Tensor, m: int, pages: torch.Tensor) -> torch.Tensor:
+    """Where each token's entry goes: its slot when it closes its window, else the sink ([T])."""
+    n = (positions + 1) // m - 1  # the window each token would close
+    closes = ((positions + 1) % m == 0) & (n >= 0)
+    return torch.where(closes, slot_mapping, _sink_slot(pages))
 
 
 def _window_rows(ring: torch.Tensor, slot: torch.Tensor, n: torch.Tensor, m: int) -> torch.Tensor:
@@ -261,6 +276,8 @@ def attention_step(attn: DeepseekV4Attention, hidden: torch.Tensor, caches: tupl
     c = attn.compressor
     if c is not None:
         cache = caches[1]
+        if cache.snapshots:  # prefix caching (CSA): a prefix hit's overlap goes back into the rings first
+            _restore(cache, step, c.ratio, kernel)
         _compress(c, cache, "compressor", hidden, positions, step, rotary, kernel)
         if isinstance(c, SparseCompressor):
             _compress(c.indexer, cache, "indexer", hidden, positions, step, rotary, kernel)
