@@ -129,15 +129,38 @@ def test_preemption_falls_back_to_the_synchronous_step(moe):
         assert o.token_ids == reference(hf, p, 64)
 
 
+def test_penalties_and_min_tokens_count_the_pending_token(moe):
+    """Penalties read the request's history and min_tokens its output count: a step scheduled
+    ahead counts the token still on the device, so the tokens equal the synchronous engine's."""
+    model_dir, _ = moe
+    ps = prompts(4, seed=17)
+    sync_eos = run(model_dir, ps[:1], SamplingParams(max_tokens=30, temperature=0.0), False)[1][0].token_ids
+    params = [SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.6, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, presence_penalty=1.5, frequency_penalty=1.2,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.9, seed=7, repetition_penalty=1.3, frequency_penalty=0.8,
+                             ignore_eos=True),
+              # EOS banned until 12 tokens, then free: the first token the ban held back is drawn late
+              SamplingParams(max_tokens=30, temperature=0.0, min_tokens=12, stop_token_ids=list(sync_eos[:3]))]
+    _, sync = run(model_dir, ps, params, False)
+    llm, ahead = run(model_dir, ps, params, True)
+    assert [(o.token_ids, o.finish_reason) for o in ahead] == [(o.token_ids, o.finish_reason) for o in sync]
+    assert llm.engine.num_async_steps > 10
+    plain = run(model_dir, ps[:2], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), False)[1]
+    assert sync[0].token_ids != plain[0].token_ids and sync[1].token_ids != plain[1].token_ids  # the penalties bite
+
+
 def test_requests_that_need_the_host_between_steps_run_synchronously(moe):
     model_dir, _ = moe
     ps = prompts(2, seed=13)
     params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)]
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)]
     _, sync = run(model_dir, ps, params, False)
     llm, ahead = run(model_dir, ps, params, True)
-    assert llm.engine.num_async_steps == 0
+    assert llm.engine.num_async_steps == 0  # one request with logprobs keeps the batch synchronous
     assert [o.token_ids for o in ahead] == [o.token_ids for o in sync]
+    chosen = [[lp.chosen.logprob for lp in o.logprobs] for o in (ahead[0], sync[0])]
+    assert len(chosen[0]) == 12 and chosen[0] == chosen[1]
 
 
 @pytest.mark.gpu
@@ -149,7 +172,9 @@ def test_on_cuda_graph_steps_go_ahead_with_the_synchronous_tokens(moe):
     ps = prompts(4, seed=15)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 40, 3, 25)]
     params.append(SamplingParams(max_tokens=30, temperature=0.8, seed=4, ignore_eos=True))
-    ps.append(ps[0])
+    params.append(SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0,
+                                 ignore_eos=True))
+    ps += [ps[0], ps[1]]
     runs = []
     for on in (False, True):
         llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", kv_cache_memory="64MiB", async_scheduling=on)

@@ -311,11 +311,13 @@ class LLMEngine:
         return outputs
 
     # -- async scheduling (tandem/engine/inflight.py) -------------------------------------------
-    def _launch(self, sched: SchedulerOutput, forward: ForwardOutput) -> bool:
-        """Sample the step on the device and leave it in flight: its tokens land in the next call.
+    def _launch(self, sched: SchedulerOutput, forward: ForwardOutput, prev: InFlightStep | None = None) -> bool:
+        """Sample the step on the device and leave it in flight: its tokens land in the next call
+        (`prev`: the step in flight it was scheduled ahead of, whose tokens it counts as pending).
         False when sampling raised (the caller samples the step synchronously, row by row)."""
+        pending = None if prev is None else [prev.tokens[s.input_row] for s in sched.scheduled]
         try:
-            tokens = self.sampler.sample(forward.logits, [s.request for s in sched.scheduled])
+            tokens = self.sampler.sample(forward.logits, [s.request for s in sched.scheduled], pending)
         except Exception as e:  # noqa: BLE001 - `_sample` retries and blames the rows
             self._raise_if_fatal("sampling", e)
             self.sampler.rollback()
@@ -341,7 +343,7 @@ class LLMEngine:
             alive = [s.request for s in nxt.scheduled if s.request.status == RequestStatus.RUNNING]
             return outputs + self._fail_step("running the model", e, alive)
         self._ran(forward)
-        launched = self._launch(nxt, forward)
+        launched = self._launch(nxt, forward, prev)
         outputs = self._land(prev)
         if not launched:  # after `prev`'s tokens: a request they stopped is skipped
             outputs += self._finish_step(nxt, forward, {}, started)

@@ -9,8 +9,9 @@ request that step N's token stops (EOS, a stop string) has one wasted row in ste
 stops known in advance (max_tokens, the context length) are not scheduled ahead at all.
 
 Only steps whose every request is a plain one-token decode go ahead (`can_go_ahead`); anything
-that needs the host between steps (speculation, grammars, logprobs, penalties, min_tokens, a
-request to admit, a preemption) runs the synchronous step.
+that needs the host between steps (speculation, grammars, logprobs, a request to admit, a
+preemption) runs the synchronous step. Penalties and min_tokens go ahead: the sampler counts the
+pending token on the device.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ class InFlightStep:
 
 
 def plain_decode(req: Request) -> bool:
-    """Whether a request's next token needs nothing from the host but its sampling parameters:
-    no grammar, logprobs, penalties (they read the token history) or min_tokens still to reach."""
+    """Whether a request's next token needs nothing from the host but its sampling parameters and
+    token lists: no grammar (its mask follows each token) and no logprobs (returned with each
+    token). Penalties and min_tokens count the pending token on the device (`Sampler.sample`)."""
     p = req.params
-    return p.grammar is None and p.logprobs is None and not p.needs_penalties and req.num_output_tokens >= p.min_tokens
+    return p.grammar is None and p.logprobs is None
 
 
 def can_go_ahead(sched: SchedulerOutput, num_running: int) -> bool:

@@ -32,17 +32,23 @@ def mask_eos_and_stop(row: torch.Tensor, req: Request) -> None:
         row[banned] = float("-inf")
 
 
-def apply_penalties(logits: torch.Tensor, req: Request, params: SamplingParams) -> torch.Tensor:
-    """logits [V] float32 for one request; penalties as OpenAI and vLLM define them."""
+def apply_penalties(logits: torch.Tensor, req: Request, params: SamplingParams,
+                    pending: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [V] float32 for one request; penalties as OpenAI and vLLM define them. `pending`: a
+    token the request has sampled that is not in its lists yet (async scheduling: a 0-d device
+    tensor), counted as its last output token."""
     vocab = logits.shape[0]
+    extra = () if pending is None else (pending.reshape(1).to(device=logits.device, dtype=torch.long),)
     if params.repetition_penalty != 1.0:
-        # Repetition penalty (CTRL) covers prompt and output tokens.
-        seen = torch.tensor([t for t in set(req.all_token_ids) if t < vocab], dtype=torch.long, device=logits.device)
+        # Repetition penalty (CTRL) covers prompt and output tokens. A pending token already seen
+        # is indexed twice: both writes are the same value.
+        seen = torch.cat([torch.tensor([t for t in set(req.all_token_ids) if t < vocab], dtype=torch.long,
+                                       device=logits.device), *extra])
         if seen.numel():
             vals = logits[seen]
             logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and req.output_token_ids:
-        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=logits.device)
+    if (params.presence_penalty or params.frequency_penalty) and (req.output_token_ids or extra):
+        out = torch.cat([torch.tensor(req.output_token_ids, dtype=torch.long, device=logits.device), *extra])
         counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
         logits -= params.frequency_penalty * counts
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
@@ -154,9 +160,12 @@ class Sampler:
                     logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], req.params.logprobs)
         return SamplerOutput(token_ids, logprobs)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               pending: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """logits [S, V], one row per request -> the chosen tokens [S] int64, on the logits' device,
-        without waiting for them (async scheduling keeps them there).
+        without waiting for them (async scheduling keeps them there). `pending[i]`: request i's
+        token sampled by the step before, still on the device (a 0-d tensor; None: its lists are
+        complete), which penalties and min_tokens count as its last output token.
 
         Plain greedy rows take one batched argmax and plain sampling rows one batched filter and
         draw; rows with penalties, min_tokens or a seed are processed one by one on the device.
@@ -165,7 +174,9 @@ class Sampler:
         logits = logits.float()
         dev = logits.device
         tokens = torch.empty(len(requests), dtype=torch.long, device=dev)  # [S]
-        simple = [not r.params.needs_penalties and r.num_output_tokens >= r.params.min_tokens for r in requests]
+        pending = pending or [None] * len(requests)
+        outputs = [r.num_output_tokens + (p is not None) for r, p in zip(requests, pending)]
+        simple = [not r.params.needs_penalties and n >= r.params.min_tokens for r, n in zip(requests, outputs)]
         greedy = [i for i, r in enumerate(requests) if simple[i] and r.params.greedy]
         # Unseeded sampling rows share one batched filter and one draw from the engine's generator.
         batched = [i for i, r in enumerate(requests) if simple[i] and not r.params.greedy and r.params.seed is None]
@@ -189,16 +200,18 @@ class Sampler:
         done = set(greedy) | set(batched)
         for i, req in enumerate(requests):
             if i not in done:  # penalties, min_tokens or a per-request seed: one row at a time
-                tokens[i] = self._sample_row(logits[i].clone(), req)
+                tokens[i] = self._sample_row(logits[i].clone(), req, pending[i], outputs[i])
         return tokens
 
-    def _sample_row(self, row: torch.Tensor, req: Request) -> torch.Tensor:
-        """row [V] float32 (a copy) -> chosen token, a 0-d tensor on the device."""
+    def _sample_row(self, row: torch.Tensor, req: Request, pending: torch.Tensor | None, num_output: int
+                    ) -> torch.Tensor:
+        """row [V] float32 (a copy) -> chosen token, a 0-d tensor on the device (`num_output`: the
+        request's output tokens, `pending` included)."""
         params = req.params
-        if req.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             mask_eos_and_stop(row, req)
         if params.needs_penalties:
-            row = apply_penalties(row, req, params)
+            row = apply_penalties(row, req, params, pending)
         if params.greedy:
             return torch.argmax(row)
         probs = torch.softmax(filter_logits(row, params), dim=-1)
