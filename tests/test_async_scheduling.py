@@ -201,3 +201,44 @@ def test_on_cuda_v4_graph_steps_go_ahead_with_the_reference_tokens(tmp_path):
     for p, o in zip(ps, llm.generate(ps, V4_GREEDY)):
         assert o.token_ids == v4_reference(hf, p), len(p)
     assert llm.engine.num_async_steps > 10
+
+
+def test_a_failure_in_a_step_launched_ahead_ends_only_its_requests(moe):
+    """The forward of a step scheduled ahead raises: the step in flight still lands (its tokens
+    are delivered), the requests of the failed step end with an error, and the engine serves the
+    next request exactly. A sampling failure there falls back to the synchronous sampler: the
+    tokens are unchanged."""
+    model_dir, hf = moe
+    ps = prompts(3, seed=19)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(model_dir), async_scheduling=True, **KW)
+    engine, runner = llm.engine, llm.engine.runner
+    execute, calls = runner.execute, []
+
+    def flaky(batch, pending=None):  # noqa: ANN001, ANN202
+        calls.append(pending is not None)
+        if sum(calls) == 5 and pending is not None:
+            raise RuntimeError("injected failure")
+        return execute(batch, pending)
+
+    runner.execute = flaky
+    outs = llm.generate(ps[:2], greedy)
+    assert [o.finish_reason for o in outs] == ["error", "error"] and all("injected failure" in o.error for o in outs)
+    assert all(0 < len(o.token_ids) < 20 for o in outs)
+    assert [o.token_ids for o in outs] == [reference(hf, p, 20)[: len(o.token_ids)] for p, o in zip(ps, outs)]
+    assert llm.generate([ps[2]], greedy)[0].token_ids == reference(hf, ps[2], 20)
+    runner.execute = execute
+
+    sample, failures = engine.sampler.sample, []
+
+    def flaky_sample(logits, requests, pending=None):  # noqa: ANN001, ANN202
+        if pending is not None and not failures:
+            failures.append(1)
+            raise RuntimeError("injected sampling failure")
+        return sample(logits, requests, pending)
+
+    engine.sampler.sample = flaky_sample
+    before = engine.num_async_steps
+    outs = llm.generate(ps[:2], greedy)
+    assert failures and engine.num_async_steps > before
+    assert [o.token_ids for o in outs] == [reference(hf, p, 20) for p in ps[:2]]
