@@ -150,17 +150,36 @@ def test_penalties_and_min_tokens_count_the_pending_token(moe):
     assert sync[0].token_ids != plain[0].token_ids and sync[1].token_ids != plain[1].token_ids  # the penalties bite
 
 
-def test_requests_that_need_the_host_between_steps_run_synchronously(moe):
+def test_logprobs_travel_with_the_tokens(moe):
+    """Logprobs of steps scheduled ahead are computed on the device and copied with the tokens:
+    the same chosen logprobs and top alternatives as the synchronous sampler's, each request
+    getting as many alternatives as it asks for."""
     model_dir, _ = moe
-    ps = prompts(2, seed=13)
-    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)]
+    ps = prompts(3, seed=13)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=0, ignore_eos=True)]
     _, sync = run(model_dir, ps, params, False)
     llm, ahead = run(model_dir, ps, params, True)
-    assert llm.engine.num_async_steps == 0  # one request with logprobs keeps the batch synchronous
+    assert llm.engine.num_async_steps > 5
     assert [o.token_ids for o in ahead] == [o.token_ids for o in sync]
-    chosen = [[lp.chosen.logprob for lp in o.logprobs] for o in (ahead[0], sync[0])]
-    assert len(chosen[0]) == 12 and chosen[0] == chosen[1]
+    for a, b, sp in zip(ahead, sync, params):
+        assert len(a.logprobs) == (12 if sp.logprobs is not None else 0)
+        assert all(len(lp.top) == sp.logprobs for lp in a.logprobs)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.chosen == y.chosen and [t.token_id for t in x.top] == [t.token_id for t in y.top]
+            assert [t.logprob for t in x.top] == pytest.approx([t.logprob for t in y.top], abs=1e-6)
+
+
+def test_speculation_keeps_steps_synchronous(moe, caplog):
+    model_dir, _ = moe
+    ps = prompts(2, seed=21)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="tandem"):
+        llm, outs = run(model_dir, ps, greedy, True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert "Async scheduling off: speculative decoding" in caplog.text
+    assert llm.engine.num_async_steps == 0 and not llm.engine.async_scheduling
+    assert [o.token_ids for o in outs] == [o.token_ids for o in run(model_dir, ps, greedy, False)[1]]
 
 
 @pytest.mark.gpu
@@ -174,15 +193,19 @@ def test_on_cuda_graph_steps_go_ahead_with_the_synchronous_tokens(moe):
     params.append(SamplingParams(max_tokens=30, temperature=0.8, seed=4, ignore_eos=True))
     params.append(SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0,
                                  ignore_eos=True))
-    ps += [ps[0], ps[1]]
-    runs = []
+    params.append(SamplingParams(max_tokens=30, temperature=0.0, logprobs=2, ignore_eos=True))
+    ps += [ps[0], ps[1], ps[2]]
+    runs, logprobs = [], []
     for on in (False, True):
         llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", kv_cache_memory="64MiB", async_scheduling=on)
-        runs.append([o.token_ids for o in llm.generate(ps, params)])
+        outs = llm.generate(ps, params)
+        runs.append([o.token_ids for o in outs])
+        logprobs.append([lp.chosen.logprob for lp in outs[-1].logprobs])
         engine = llm.engine
         graphed = engine.metrics.model_steps.labels(model_name=engine.model_name, mode="cuda_graph")._value.get()
         assert graphed > 20 and (engine.num_async_steps > 20) == on
     assert runs[0] == runs[1]
+    assert len(logprobs[1]) == 30 and logprobs[1] == pytest.approx(logprobs[0], abs=1e-5)
 
 
 @pytest.mark.gpu

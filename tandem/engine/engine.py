@@ -316,14 +316,16 @@ class LLMEngine:
         (`prev`: the step in flight it was scheduled ahead of, whose tokens it counts as pending).
         False when sampling raised (the caller samples the step synchronously, row by row)."""
         pending = None if prev is None else [prev.tokens[s.input_row] for s in sched.scheduled]
+        reqs = [s.request for s in sched.scheduled]
         try:
-            tokens = self.sampler.sample(forward.logits, [s.request for s in sched.scheduled], pending)
+            tokens = self.sampler.sample(forward.logits, reqs, pending)
+            logprobs = self.sampler.logprobs_on_device(forward.logits, reqs, tokens)
         except Exception as e:  # noqa: BLE001 - `_sample` retries and blames the rows
             self._raise_if_fatal("sampling", e)
             self.sampler.rollback()
             return False
         self.scheduler.advance(sched)
-        self._in_flight = InFlightStep.launch(sched, tokens)
+        self._in_flight = InFlightStep.launch(sched, tokens, logprobs)
         self.num_async_steps += 1
         return True
 
@@ -353,9 +355,9 @@ class LLMEngine:
         """The in-flight step's tokens: the blocks complete before them are registered, the tokens
         are appended and checked (`_postprocess`; a request stopped or aborted meanwhile is
         skipped), then the blocks they complete (written by the step launched after, if any)."""
-        tokens = step.token_ids()
+        results = step.results()
         self.scheduler.commit(step.sched)
-        outputs = self._postprocess(step.sched, [(s, VerifyResult([t], 0)) for s, t in zip(step.sched.scheduled, tokens)])
+        outputs = self._postprocess(step.sched, list(zip(step.sched.scheduled, results)))
         self.scheduler.commit(step.sched)
         return outputs
 

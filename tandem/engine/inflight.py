@@ -9,9 +9,9 @@ request that step N's token stops (EOS, a stop string) has one wasted row in ste
 stops known in advance (max_tokens, the context length) are not scheduled ahead at all.
 
 Only steps whose every request is a plain one-token decode go ahead (`can_go_ahead`); anything
-that needs the host between steps (speculation, grammars, logprobs, a request to admit, a
-preemption) runs the synchronous step. Penalties and min_tokens go ahead: the sampler counts the
-pending token on the device.
+that needs the host between steps (speculation, grammars, a request to admit, a preemption) runs
+the synchronous step. Penalties and min_tokens go ahead (the sampler counts the pending token on
+the device), and so do logprobs (computed on the device, copied with the tokens).
 """
 
 from __future__ import annotations
@@ -20,44 +20,59 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core import Request
+from tandem.core import Logprob, Request, TokenLogprobs
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.spec.verify import VerifyResult
 
 
 @dataclass
 class InFlightStep:
-    """A launched step: its forward pass and sampling are queued on the device, its tokens on
-    their way to host memory."""
+    """A launched step: its forward pass and sampling are queued on the device, its tokens (and
+    the logprobs its requests ask for) on their way to host memory."""
 
     sched: SchedulerOutput
     tokens: torch.Tensor  # [S] int64 on the device: each scheduled request's sampled token
-    host: torch.Tensor  # [S] int64, their host copy (pinned on CUDA), complete once `copied` is
-    copied: torch.cuda.Event | None  # None on the CPU: the copy is done when it returns
+    host: list[torch.Tensor]  # their host copies (pinned on CUDA): tokens, then the logprobs' three
+    copied: torch.cuda.Event | None  # after the copies; None on the CPU (done when they return)
 
     @classmethod
-    def launch(cls, sched: SchedulerOutput, tokens: torch.Tensor) -> InFlightStep:
-        """Queue the copy of `tokens` to the host behind the step's work."""
+    def launch(cls, sched: SchedulerOutput, tokens: torch.Tensor,
+               logprobs: tuple[torch.Tensor, ...] | None = None) -> InFlightStep:
+        """Queue the copies of `tokens` and `logprobs` (`Sampler.logprobs_on_device`) to the host
+        behind the step's work."""
+        device = [tokens, *(logprobs or ())]
         if tokens.device.type != "cuda":
-            return cls(sched, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return cls(sched, tokens, device, None)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device]
+        for h, t in zip(host, device):
+            h.copy_(t, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         return cls(sched, tokens, host, copied)
 
-    def token_ids(self) -> list[int]:
-        """The sampled tokens, waiting for the device if it is not done yet."""
+    def results(self) -> list[VerifyResult]:
+        """Each scheduled request's token (with its logprobs when it asks), waiting for the device
+        if it is not done yet."""
         if self.copied is not None:
             self.copied.synchronize()
-        return self.host.tolist()
+        tokens = self.host[0].tolist()
+        if len(self.host) == 1:
+            return [VerifyResult([t], 0) for t in tokens]
+        chosen, vals, ids = (h.tolist() for h in self.host[1:])
+        out = []
+        for i, (s, t) in enumerate(zip(self.sched.scheduled, tokens)):
+            n = s.request.params.logprobs
+            lps = None if n is None else [TokenLogprobs(Logprob(t, chosen[i]),
+                                                        tuple(Logprob(ids[i][j], vals[i][j]) for j in range(n)))]
+            out.append(VerifyResult([t], 0, lps))
+        return out
 
 
 def plain_decode(req: Request) -> bool:
     """Whether a request's next token needs nothing from the host but its sampling parameters and
-    token lists: no grammar (its mask follows each token) and no logprobs (returned with each
-    token). Penalties and min_tokens count the pending token on the device (`Sampler.sample`)."""
-    p = req.params
-    return p.grammar is None and p.logprobs is None
+    token lists: no grammar (its mask follows each token). Penalties and min_tokens count the
+    pending token on the device (`Sampler.sample`); logprobs travel with the tokens."""
+    return req.params.grammar is None
 
 
 def can_go_ahead(sched: SchedulerOutput, num_running: int) -> bool:

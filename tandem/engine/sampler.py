@@ -160,6 +160,21 @@ class Sampler:
                     logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], req.params.logprobs)
         return SamplerOutput(token_ids, logprobs)
 
+    @staticmethod
+    def logprobs_on_device(logits: torch.Tensor, requests: list[Request], tokens: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """What `__call__` reports as logprobs (from the raw logits), left on the device for async
+        scheduling: (the chosen tokens' [S], the top values [S, n] and their ids [S, n]) with n
+        the largest `logprobs` a request asks for (a request asking fewer takes the first ones);
+        None when no request asks."""
+        asked = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        if not asked:
+            return None
+        raw = torch.log_softmax(logits.float(), dim=-1)  # [S, V]
+        chosen = raw.gather(1, tokens[:, None])[:, 0]  # [S]
+        vals, ids = torch.topk(raw, max(asked), dim=-1)  # [S, n] each
+        return chosen, vals, ids
+
     def sample(self, logits: torch.Tensor, requests: list[Request],
                pending: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """logits [S, V], one row per request -> the chosen tokens [S] int64, on the logits' device,
