@@ -77,8 +77,8 @@ def test_seeded_sampling_is_reproduced(moe):
 
 
 def test_a_request_arriving_or_aborted_mid_decode(moe):
-    """A new request stops the steps going ahead (it must be admitted by the scheduler), an abort
-    drops its request from the next step; the others' tokens are unchanged."""
+    """A new request is admitted into a step planned ahead (its prefill beside the pending
+    decodes), an abort drops its request from the next step; the others' tokens are unchanged."""
     model_dir, hf = moe
     ps = prompts(3, seed=7)
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -101,6 +101,22 @@ def test_a_request_arriving_or_aborted_mid_decode(moe):
     cut = got["r1"]
     assert 0 < len(cut) < 30 and cut == reference(hf, ps[1], 30)[: len(cut)]
     assert engine.num_async_steps > 10 and engine.kv.usage == 0.0
+
+
+def test_chunked_prefill_and_admissions_are_planned_ahead(moe):
+    """With a 16-token budget every prompt is prefilled in chunks beside the others' decodes, and
+    requests arrive while others run: every step but the first goes ahead of the one before, and
+    the tokens equal transformers'."""
+    model_dir, hf = moe
+    ps = prompts(4, seed=23)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(model_dir), async_scheduling=True, max_num_batched_tokens=16, max_num_seqs=2, **KW)
+    outs = llm.generate(ps, greedy)  # 4 requests, 2 at a time: two arrive as the first two end
+    engine = llm.engine
+    assert [o.token_ids for o in outs] == [reference(hf, p, 24) for p in ps]
+    steps = sum(engine.metrics.model_steps.labels(model_name=engine.model_name, mode=m)._value.get()
+                for m in ("prefill", "eager", "cuda_graph"))
+    assert engine.num_async_steps >= steps - 2 and engine.kv.usage == 0.0
 
 
 def test_blocks_written_ahead_serve_prefix_hits(moe):
@@ -180,6 +196,22 @@ def test_speculation_keeps_steps_synchronous(moe, caplog):
     assert "Async scheduling off: speculative decoding" in caplog.text
     assert llm.engine.num_async_steps == 0 and not llm.engine.async_scheduling
     assert [o.token_ids for o in outs] == [o.token_ids for o in run(model_dir, ps, greedy, False)[1]]
+
+
+def test_v4_prefix_hits_after_steps_ahead(tmp_path):
+    """DeepSeek-V4's sliding window gives back blocks behind the window when the next step's slots
+    are planned, which with async scheduling is before the step in flight lands: they must be
+    registered at launch, or a later request sharing the prefix misses them (it did)."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from test_deepseek_v4_engine import GREEDY as V4_GREEDY, prompts as v4_prompts, reference as v4_reference, save_v4
+
+    hf = save_v4(tmp_path, "all_kinds")
+    shared = v4_prompts((150,), seed=1)[0]
+    ps = [shared + tail for tail in v4_prompts((10, 7), seed=2)]
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_memory="8MiB", block_size=8, async_scheduling=True)
+    outs = [llm.generate([p], V4_GREEDY)[0] for p in ps]
+    assert [o.num_cached_tokens for o in outs] == [0, 128] and llm.engine.num_async_steps > 20
+    assert [o.token_ids for o in outs] == [v4_reference(hf, p) for p in ps]
 
 
 @pytest.mark.gpu

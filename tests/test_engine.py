@@ -238,11 +238,11 @@ def fail_when(rid: str, fn, after: bool = False):  # noqa: ANN001, ANN201
     def ids(batch) -> set[str]:  # noqa: ANN001
         return {getattr(x, "request", x).request_id for x in batch}
 
-    def wrapped(*args):  # noqa: ANN002, ANN202
-        out = fn(*args) if after else None
+    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = fn(*args, **kwargs) if after else None
         if rid in ids(args[-1]):
             raise RuntimeError(f"injected failure for {rid}\n" + "a long traceback-like dump\n" * 500)
-        return out if after else fn(*args)
+        return out if after else fn(*args, **kwargs)
     return wrapped
 
 

@@ -280,7 +280,7 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - one forward pass for all: nothing singles a request out
                 return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
             self._ran(forward)
-            goes_ahead = self.async_scheduling and can_go_ahead(sched, len(self.scheduler.running))
+            goes_ahead = self.async_scheduling and can_go_ahead(sched)
             if not (goes_ahead and self._launch(sched, forward)):
                 outputs += self._finish_step(sched, forward, drafts, started)
         self._update_gauges()
@@ -315,8 +315,10 @@ class LLMEngine:
         """Sample the step on the device and leave it in flight: its tokens land in the next call
         (`prev`: the step in flight it was scheduled ahead of, whose tokens it counts as pending).
         False when sampling raised (the caller samples the step synchronously, row by row)."""
-        pending = None if prev is None else [prev.tokens[s.input_row] for s in sched.scheduled]
-        reqs = [s.request for s in sched.scheduled]
+        sampling = [s for s in sched.scheduled if s.samples]  # forward.logits: one row each
+        pending = None if prev is None else [None if s.input_row is None else prev.tokens[s.input_row]
+                                             for s in sampling]
+        reqs = [s.request for s in sampling]
         try:
             tokens = self.sampler.sample(forward.logits, reqs, pending)
             logprobs = self.sampler.logprobs_on_device(forward.logits, reqs, tokens)
@@ -325,6 +327,10 @@ class LLMEngine:
             self.sampler.rollback()
             return False
         self.scheduler.advance(sched)
+        # Registered now, not when the tokens land: the next step's slots (planned before then)
+        # may give back a sliding window's blocks, which must carry their hashes when they go. A
+        # later step that hits them runs after this one on the device.
+        self.scheduler.commit(sched)
         self._in_flight = InFlightStep.launch(sched, tokens, logprobs)
         self.num_async_steps += 1
         return True
@@ -352,12 +358,11 @@ class LLMEngine:
         return outputs
 
     def _land(self, step: InFlightStep) -> list[RequestOutput]:
-        """The in-flight step's tokens: the blocks complete before them are registered, the tokens
-        are appended and checked (`_postprocess`; a request stopped or aborted meanwhile is
-        skipped), then the blocks they complete (written by the step launched after, if any)."""
+        """The in-flight step's tokens: appended and checked (`_postprocess`; a request stopped or
+        aborted meanwhile is skipped), then the blocks they complete are registered (written by
+        the step launched after, if any; the step's own were registered at launch)."""
         results = step.results()
-        self.scheduler.commit(step.sched)
-        outputs = self._postprocess(step.sched, list(zip(step.sched.scheduled, results)))
+        outputs = self._postprocess(step.sched, list(zip(step.sampling, results)))
         self.scheduler.commit(step.sched)
         return outputs
 

@@ -1,4 +1,4 @@
-"""Async scheduling: a decode step launched before the previous one's tokens are on the host.
+"""Async scheduling: a step launched before the previous one's tokens are on the host.
 
 In steady decoding the host's share of a step (appending tokens, stop checks, detokenizing,
 scheduling, staging the graph's inputs) otherwise runs while the device idles. With async
@@ -8,10 +8,11 @@ post-processes them, so that work overlaps step N+1's forward pass. The output i
 request that step N's token stops (EOS, a stop string) has one wasted row in step N+1, dropped;
 stops known in advance (max_tokens, the context length) are not scheduled ahead at all.
 
-Only steps whose every request is a plain one-token decode go ahead (`can_go_ahead`); anything
-that needs the host between steps (speculation, grammars, a request to admit, a preemption) runs
-the synchronous step. Penalties and min_tokens go ahead (the sampler counts the pending token on
-the device), and so do logprobs (computed on the device, copied with the tokens).
+A step goes ahead of one whose requests sample plainly (`can_go_ahead`): prefill chunks and new
+requests are planned ahead as well (`Scheduler.schedule_ahead`); what needs the host between
+steps (speculation, grammars, a preemption) runs the synchronous step. Penalties and min_tokens
+go ahead (the sampler counts the pending token on the device), and so do logprobs (computed on
+the device, copied with the tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.core import Logprob, Request, TokenLogprobs
-from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.spec.verify import VerifyResult
 
 
@@ -31,7 +32,7 @@ class InFlightStep:
     the logprobs its requests ask for) on their way to host memory."""
 
     sched: SchedulerOutput
-    tokens: torch.Tensor  # [S] int64 on the device: each scheduled request's sampled token
+    tokens: torch.Tensor  # [S] int64 on the device: the sampled token of each request that samples
     host: list[torch.Tensor]  # their host copies (pinned on CUDA): tokens, then the logprobs' three
     copied: torch.cuda.Event | None  # after the copies; None on the CPU (done when they return)
 
@@ -50,9 +51,14 @@ class InFlightStep:
         copied.record()
         return cls(sched, tokens, host, copied)
 
+    @property
+    def sampling(self) -> list[ScheduledRequest]:
+        """The step's requests that sample (the rows of `tokens`), in batch order."""
+        return [s for s in self.sched.scheduled if s.samples]
+
     def results(self) -> list[VerifyResult]:
-        """Each scheduled request's token (with its logprobs when it asks), waiting for the device
-        if it is not done yet."""
+        """The token of each request of `sampling` (with its logprobs when it asks), waiting for
+        the device if it is not done yet."""
         if self.copied is not None:
             self.copied.synchronize()
         tokens = self.host[0].tolist()
@@ -60,7 +66,7 @@ class InFlightStep:
             return [VerifyResult([t], 0) for t in tokens]
         chosen, vals, ids = (h.tolist() for h in self.host[1:])
         out = []
-        for i, (s, t) in enumerate(zip(self.sched.scheduled, tokens)):
+        for i, (s, t) in enumerate(zip(self.sampling, tokens)):
             n = s.request.params.logprobs
             lps = None if n is None else [TokenLogprobs(Logprob(t, chosen[i]),
                                                         tuple(Logprob(ids[i][j], vals[i][j]) for j in range(n)))]
@@ -75,9 +81,8 @@ def plain_decode(req: Request) -> bool:
     return req.params.grammar is None
 
 
-def can_go_ahead(sched: SchedulerOutput, num_running: int) -> bool:
-    """Whether the step after `sched` may be scheduled before `sched`'s tokens are known: every
-    running request decodes one token in it, with no draft, and samples it plainly."""
-    return (len(sched.scheduled) == num_running and not sched.preempted
-            and all(s.num_tokens == 1 and s.samples and not s.draft and plain_decode(s.request)
-                    for s in sched.scheduled))
+def can_go_ahead(sched: SchedulerOutput) -> bool:
+    """Whether the step after `sched` may be planned before `sched`'s tokens are known: no drafts,
+    no preemption, every request that samples samples plainly (`plain_decode`)."""
+    return not sched.preempted and all(not s.draft and (not s.samples or plain_decode(s.request))
+                                       for s in sched.scheduled)

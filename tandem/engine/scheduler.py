@@ -109,14 +109,51 @@ class Scheduler:
         """This step's batch. `drafts` holds proposed tokens of running requests past their
         prefill (request id -> draft); each is scheduled after its request's last token, cut to
         the token budget, and dropped when its slots do not fit (a draft never preempts)."""
+        out = self._schedule(drafts or {}, None, 0)
+        assert out is not None  # only a step ahead gives up
+        return out
+
+    def schedule_ahead(self, prev: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+        """The step after `prev`, planned while `prev` is in flight (async scheduling): `prev` is
+        already advanced, and the tokens it sampled are still on the device. Each request that
+        sampled in `prev` decodes its pending token (`input_row`: its row among `prev`'s sampling
+        requests), except one whose pending token is known to be its last (max_tokens, the context
+        length); prefill chunks and admissions are planned as `schedule` plans them. A stop the
+        pending token itself causes (EOS, a stop string) is found only afterwards: that request's
+        row in this step is wasted and dropped.
+
+        None when the step must be planned by `schedule` instead, once `prev` has landed: a slot
+        does not fit (`schedule` preempts), a request with a grammar runs or waits first (its mask
+        follows each token), nothing runs. What it did by then stays valid for `schedule`: slots
+        allocated for a request's next tokens, a request admitted with its prefix hit."""
+        if not self.running or any(r.params.grammar is not None for r in self.running):
+            return None
+        sampled = [s.request for s in prev.scheduled if s.samples]
+        pending = {id(req): row for row, req in enumerate(sampled) if req.status == RequestStatus.RUNNING}
+        return self._schedule({}, pending, max_model_len)
+
+    def _schedule(self, drafts: Mapping[str, Sequence[int]], pending: dict[int, int] | None,
+                  max_model_len: int) -> SchedulerOutput | None:
+        """`schedule` (pending None) or `schedule_ahead` (pending: id(request) -> its row among the
+        step in flight's sampled tokens)."""
         out = SchedulerOutput()
         budget = self.config.batched_tokens
         scheduled_ids: set[str] = set()
-        drafts = drafts or {}
+        ahead = pending is not None
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            row = pending.get(id(req)) if ahead else None
+            if row is not None:
+                i += 1
+                if req.num_output_tokens + 1 >= req.max_tokens or req.num_tokens + 1 >= max_model_len:
+                    continue  # the pending token ends it
+                if not self.kv.allocate_slots(req, 1):
+                    return None
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 1, True, input_row=row))
+                budget -= 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:  # cannot happen for a running request; guard against a stuck loop
                 i += 1
@@ -124,6 +161,8 @@ class Scheduler:
             draft = tuple(drafts.get(req.request_id, ()))[: budget - n] if n == 1 else ()
             if draft and not self.kv.allocate_slots(req, n + len(draft)):
                 draft = ()
+            if ahead and not self.kv.allocate_slots(req, n):
+                return None  # never preempt ahead
             if not draft and not self._allocate_or_preempt(req, n, out, scheduled_ids):
                 break  # req itself was preempted (it was the newest); nothing after it runs
             out.scheduled.append(ScheduledRequest.of(req, n, draft))
@@ -134,6 +173,8 @@ class Scheduler:
         # New work only when nothing was preempted this step: otherwise it would take the blocks back.
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if ahead and req.params.grammar is not None:
+                return None
             hit = self.kv.find_prefix(req)
             remaining = req.num_tokens - hit.num_tokens
             n = min(remaining, budget)
@@ -153,32 +194,9 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
-        return out
-
-    def schedule_ahead(self, prev: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
-        """The decode step after `prev` (one-token decodes of every running request, already
-        advanced, whose sampled tokens are still on the device), planned before those tokens are
-        known: each request of `prev` still running decodes its pending token (`input_row`), except
-        one whose pending token is known to be its last (max_tokens, the context length). A stop
-        the pending token itself causes (EOS, a stop string) is found only afterwards: that
-        request's row in this step is wasted and dropped.
-
-        None, changing nothing that matters, when the step must be planned by `schedule` instead:
-        a waiting request could be admitted, a request's slot does not fit (`schedule` preempts),
-        or nothing would run."""
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if ahead and not out.scheduled:
             return None
-        out = SchedulerOutput()
-        for row, s in enumerate(prev.scheduled):
-            req = s.request
-            if req.status != RequestStatus.RUNNING:  # aborted since
-                continue
-            if req.num_output_tokens + 1 >= req.max_tokens or req.num_tokens + 1 >= max_model_len:
-                continue  # the pending token ends it
-            if not self.kv.allocate_slots(req, 1):
-                return None  # the slots taken so far stay: `schedule` asks for the same ones
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, 1, True, input_row=row))
-        return out if out.scheduled else None
+        return out
 
     def _allocate_or_preempt(
         self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]
@@ -213,7 +231,7 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens); it will be recomputed", req.request_id, req.num_tokens)
 
     def update_after_step(self, out: SchedulerOutput, accepted: Mapping[str, int] | None = None) -> None:
-        """Once the step's forward pass ran: `advance`, then `commit`."""
+        """Once the step's forward pass ran: `advance`, then `commit` (an async step does both at launch)."""
         self.advance(out, accepted)
         self.commit(out)
 

@@ -291,8 +291,9 @@ class KVCacheManager:
     def commit(self, req: Request) -> None:
         """Register the request's blocks (and snapshots) that are complete in the prefix cache:
         every token they cover is in the request's token list (accepted: draft tokens never are)
-        and written (within `num_computed_tokens`). Called once a step's forward pass ran, never at
-        allocation, so a failed step or a rejected draft leaves nothing behind a hash."""
+        and written (within `num_computed_tokens`). Called once a step's forward pass ran (or, with
+        async scheduling, was launched: a step that reads the blocks runs after it on the device),
+        never at allocation, so a failed step or a rejected draft leaves nothing behind a hash."""
         if not self.enable_prefix_caching or req.request_id not in self.req_blocks:
             return
         hashes = self._block_hashes(req, req.num_computed_tokens)
