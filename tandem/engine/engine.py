@@ -248,8 +248,8 @@ class LLMEngine:
         up (`SpecDecoder.observe`: a drafter's KV or hidden-state window) -> postprocess. Returns
         a delta for every request that got tokens (several when it verified a draft) or finished.
 
-        With async scheduling a step of plain decodes is left in flight once launched
-        (`_launch`); the next call launches the step after it before landing its tokens
+        With async scheduling a step whose requests sample plainly is left in flight once
+        launched (`_launch`); the next call launches the step after it before landing its tokens
         (`_step_ahead`), so each call returns the previous launch's deltas.
 
         A failure ends only the requests it can be blamed on, each with finish_reason "error" and
