@@ -11,9 +11,10 @@
 #   - hot experts under the demo's routing, bracketed none -> hot -> none, with the gain the hit
 #     rate predicts from the CPU experts' share of a step.
 #   PYTHONPATH=/tmp/site:$PWD bash benchmarks/run_device_followups.sh tests    # then: ... benches
-# After session 9, `v4` is what is left to run (one call, ~6 minutes): issue 18's measurement in one
-# run at the launch-cut commit (transformers on the same layers, 8K prefill, async off/on), then the
-# same decode with prefix caching on (the server's default), and the GPU tests of the V4 kernels.
+# After session 9, `v4` is what is left to run (one call, up to ~9 minutes): issue 18's measurement
+# in one run at the current code (transformers on the same layers, 8K prefill, async off/on), then
+# the GPU tests of the V4 kernels and of async scheduling; `v4prefix` (~3 minutes) is the same decode
+# with prefix caching on (the server's default).
 # Session 8's `tests` ran in session 9: 39 of 40 GPU tests passed, and the online hot-experts test
 # that failed is fixed since. `final` and `benches` are session 8's calls (the MXFP4 streaming and
 # hot-experts benchmarks), kept to re-run.
@@ -23,12 +24,13 @@ out=${OUT:-out}
 mkdir -p "$out"
 part=${1:-v4}
 if [ "$part" = v4 ]; then
-timeout 300 python3 benchmarks/bench_v4.py --layers 4 --batches 1,8 --prompt 512 --new-tokens 64 --prefill 8192 \
+timeout 400 python3 benchmarks/bench_v4.py --layers 4 --batches 1,8 --prompt 512 --new-tokens 64 --prefill 8192 \
     --profile --out "$out/v4_full.json" 2>&1 | grep -E "^HBM|^tandem|^transformers|tok_s|ms\"|Error" | tee "$out/v4_full.txt"
-timeout 150 python3 benchmarks/bench_v4.py --layers 4 --batches 1 --prompt 512 --new-tokens 64 --prefill 2048 --skip-hf \
-    --prefix-caching --profile --out "$out/v4_prefix.json" 2>&1 | grep -E "^tandem|tok_s|ms\"|Error" | tee "$out/v4_prefix.txt"
-timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_v4_*.py tests/test_deepseek_v4_engine.py \
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_v4_*.py tests/test_deepseek_v4_engine.py \
     tests/test_async_scheduling.py 2>&1 | tail -8 | tee "$out/gpu_tests.txt"
+elif [ "$part" = v4prefix ]; then
+timeout 200 python3 benchmarks/bench_v4.py --layers 4 --batches 1,8 --prompt 512 --new-tokens 64 --prefill 2048 --skip-hf \
+    --prefix-caching --profile --out "$out/v4_prefix.json" 2>&1 | grep -E "^tandem|tok_s|ms\"|Error" | tee "$out/v4_prefix.txt"
 elif [ "$part" = final ]; then
 timeout 165 python3 benchmarks/bench_stream_prefill.py --layers 8 --fmt mxfp4 --lengths 2048,8192,32768 --cpu-lengths 2048 \
     --gap-prefill 8192 --cpu-gap-prefill 2048 --out "$out/stream_mxfp4.json" 2>&1 \
