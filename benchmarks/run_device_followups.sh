@@ -13,8 +13,9 @@
 #   PYTHONPATH=/tmp/site:$PWD bash benchmarks/run_device_followups.sh tests    # then: ... benches
 # After session 9, `v4` is what is left to run (one call, up to ~9 minutes): issue 18's measurement
 # in one run at the current code (transformers on the same layers, 8K prefill, async off/on), then
-# the GPU tests of the V4 kernels and of async scheduling; `v4prefix` (~3 minutes) is the same decode
-# with prefix caching on (the server's default).
+# the GPU tests of the V4 kernels and of async scheduling; `gpu` (up to 9 minutes) every GPU test,
+# the engine's now with async scheduling on by default (CPU experts, hot experts, graphs, drafters);
+# `v4prefix` (~3 minutes) is the same decode with prefix caching on (the server's default).
 # Session 8's `tests` ran in session 9: 39 of 40 GPU tests passed, and the online hot-experts test
 # that failed is fixed since. `final` and `benches` are session 8's calls (the MXFP4 streaming and
 # hot-experts benchmarks), kept to re-run.
@@ -28,6 +29,8 @@ timeout 400 python3 benchmarks/bench_v4.py --layers 4 --batches 1,8 --prompt 512
     --profile --out "$out/v4_full.json" 2>&1 | grep -E "^HBM|^tandem|^transformers|tok_s|ms\"|Error" | tee "$out/v4_full.txt"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_v4_*.py tests/test_deepseek_v4_engine.py \
     tests/test_async_scheduling.py 2>&1 | tail -8 | tee "$out/gpu_tests.txt"
+elif [ "$part" = gpu ]; then
+timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tail -15 | tee "$out/gpu_all.txt"
 elif [ "$part" = v4prefix ]; then
 timeout 200 python3 benchmarks/bench_v4.py --layers 4 --batches 1,8 --prompt 512 --new-tokens 64 --prefill 2048 --skip-hf \
     --prefix-caching --profile --out "$out/v4_prefix.json" 2>&1 | grep -E "^tandem|tok_s|ms\"|Error" | tee "$out/v4_prefix.txt"
