@@ -361,8 +361,7 @@ class LLMEngine:
         """The in-flight step's tokens: appended and checked (`_postprocess`; a request stopped or
         aborted meanwhile is skipped), then the blocks they complete are registered (written by
         the step launched after, if any; the step's own were registered at launch)."""
-        results = step.results()
-        outputs = self._postprocess(step.sched, list(zip(step.sampling, results)))
+        outputs = self._postprocess(step.sched, step.results())
         self.scheduler.commit(step.sched)
         return outputs
 

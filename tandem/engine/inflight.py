@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.core import Logprob, Request, TokenLogprobs
+from tandem.core import Request, TokenLogprobs
+from tandem.engine.sampler import host_logprobs
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.spec.verify import VerifyResult
 
@@ -51,27 +52,17 @@ class InFlightStep:
         copied.record()
         return cls(sched, tokens, host, copied)
 
-    @property
-    def sampling(self) -> list[ScheduledRequest]:
-        """The step's requests that sample (the rows of `tokens`), in batch order."""
-        return [s for s in self.sched.scheduled if s.samples]
-
-    def results(self) -> list[VerifyResult]:
-        """The token of each request of `sampling` (with its logprobs when it asks), waiting for
+    def results(self) -> list[tuple[ScheduledRequest, VerifyResult]]:
+        """Each request that samples, with its token (and its logprobs when it asks), waiting for
         the device if it is not done yet."""
         if self.copied is not None:
             self.copied.synchronize()
+        sampling = [s for s in self.sched.scheduled if s.samples]  # the rows of `tokens`
         tokens = self.host[0].tolist()
-        if len(self.host) == 1:
-            return [VerifyResult([t], 0) for t in tokens]
-        chosen, vals, ids = (h.tolist() for h in self.host[1:])
-        out = []
-        for i, (s, t) in enumerate(zip(self.sampling, tokens)):
-            n = s.request.params.logprobs
-            lps = None if n is None else [TokenLogprobs(Logprob(t, chosen[i]),
-                                                        tuple(Logprob(ids[i][j], vals[i][j]) for j in range(n)))]
-            out.append(VerifyResult([t], 0, lps))
-        return out
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if len(self.host) > 1:
+            logprobs = host_logprobs([s.request for s in sampling], tokens, *(h.tolist() for h in self.host[1:]))
+        return [(s, VerifyResult([t], 0, None if lp is None else [lp])) for s, t, lp in zip(sampling, tokens, logprobs)]
 
 
 def plain_decode(req: Request) -> bool:

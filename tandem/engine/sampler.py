@@ -106,6 +106,18 @@ def top_logprobs(raw_logprobs: torch.Tensor, token_id: int, n: int) -> TokenLogp
     return TokenLogprobs(chosen, top)
 
 
+def host_logprobs(requests: list[Request], tokens: list[int], chosen: list[float], top_values: list[list[float]],
+                  top_ids: list[list[int]]) -> list[TokenLogprobs | None]:
+    """Each request's TokenLogprobs from `Sampler.logprobs_on_device`'s results brought to the host
+    (None for a request that asks for none)."""
+    out: list[TokenLogprobs | None] = []
+    for i, (req, token) in enumerate(zip(requests, tokens)):
+        n = req.params.logprobs
+        out.append(None if n is None else TokenLogprobs(
+            Logprob(token, chosen[i]), tuple(Logprob(top_ids[i][j], top_values[i][j]) for j in range(n))))
+    return out
+
+
 class Sampler:
     def __init__(self, device: torch.device | str, seed: int = 0) -> None:
         self.device = torch.device(device)
@@ -151,22 +163,20 @@ class Sampler:
         """logits [S, V] float32, one row per request -> one token per request (`sample`), brought
         to the host in a single copy, with the logprobs the requests ask for."""
         tokens = self.sample(logits, requests)
-        token_ids = tokens.tolist()  # the step's one host sync
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        if any(r.params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # from the raw model logits, as vLLM
-            for i, req in enumerate(requests):
-                if req.params.logprobs is not None:
-                    logprobs[i] = top_logprobs(raw_logprobs[i], token_ids[i], req.params.logprobs)
-        return SamplerOutput(token_ids, logprobs)
+        on_device = self.logprobs_on_device(logits, requests, tokens)
+        token_ids = tokens.tolist()  # the step's host sync (and one per logprobs tensor)
+        if on_device is None:
+            return SamplerOutput(token_ids, [None] * len(requests))
+        return SamplerOutput(token_ids, host_logprobs(requests, token_ids, *(t.tolist() for t in on_device)))
 
     @staticmethod
     def logprobs_on_device(logits: torch.Tensor, requests: list[Request], tokens: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """What `__call__` reports as logprobs (from the raw logits), left on the device for async
-        scheduling: (the chosen tokens' [S], the top values [S, n] and their ids [S, n]) with n
-        the largest `logprobs` a request asks for (a request asking fewer takes the first ones);
-        None when no request asks."""
+        """The logprobs the requests ask for, from the raw model logits (as vLLM), still on the
+        device (async scheduling copies them with the tokens; `host_logprobs` reads them): (the
+        chosen tokens' [S], the top values [S, n] and their ids [S, n]) with n the largest
+        `logprobs` a request asks for (a request asking fewer takes the first ones); None when no
+        request asks."""
         asked = [r.params.logprobs for r in requests if r.params.logprobs is not None]
         if not asked:
             return None
