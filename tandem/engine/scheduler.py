@@ -161,9 +161,10 @@ class Scheduler:
             draft = tuple(drafts.get(req.request_id, ()))[: budget - n] if n == 1 else ()
             if draft and not self.kv.allocate_slots(req, n + len(draft)):
                 draft = ()
-            if ahead and not self.kv.allocate_slots(req, n):
-                return None  # never preempt ahead
-            if not draft and not self._allocate_or_preempt(req, n, out, scheduled_ids):
+            if ahead:
+                if not self.kv.allocate_slots(req, n):
+                    return None  # never preempt ahead
+            elif not draft and not self._allocate_or_preempt(req, n, out, scheduled_ids):
                 break  # req itself was preempted (it was the newest); nothing after it runs
             out.scheduled.append(ScheduledRequest.of(req, n, draft))
             scheduled_ids.add(req.request_id)

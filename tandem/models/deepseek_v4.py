@@ -346,11 +346,9 @@ class DeepseekV4DecoderLayer(nn.Module):
         collapsed, post, comb = self.attn_hc(streams, kernel)  # [T, H]
         streams = HyperConnection.merge(streams, attention(self.input_layernorm(collapsed)), post, comb, kernel)
         collapsed, post, comb = self.ffn_hc(streams, kernel)
-        if kernel:  # the routed + shared sum inside the merge kernel
-            routed, shared = self.mlp.parts(self.post_attention_layernorm(collapsed), input_ids)  # [T, H] each
-            return HyperConnection.merge(streams, routed, post, comb, kernel, shared)
-        ffn = self.mlp(self.post_attention_layernorm(collapsed), input_ids)  # [T, H]
-        return HyperConnection.merge(streams, ffn, post, comb, kernel)
+        # The routed + shared sum happens in the merge (inside its kernel on CUDA).
+        routed, shared = self.mlp.parts(self.post_attention_layernorm(collapsed), input_ids)  # [T, H] each
+        return HyperConnection.merge(streams, routed, post, comb, kernel, shared)
 
 
 class DeepseekV4Model(nn.Module):
