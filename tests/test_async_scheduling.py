@@ -1,6 +1,5 @@
-"""Async scheduling (tandem/engine/inflight.py): plain decode steps launched before the previous
-step's tokens are on the host give the same tokens, stops and prefix-cache state as synchronous
-steps. On the CPU a launch computes at once, but the engine's bookkeeping is the one CUDA runs."""
+"""Async scheduling (tandem/engine/inflight.py): steps launched before the previous step's tokens
+are on the host give the same tokens, stops, logprobs and prefix-cache state as synchronous steps. On the CPU a launch computes at once, but the engine's bookkeeping is the one CUDA runs."""
 
 from pathlib import Path
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from test_engine import prompts, reference  # the engine tests' prompts and transformers' greedy tokens
 from tiny_models import save_tiny_model
 
 KW = dict(device="cpu", kv_cache_memory="32MiB")
@@ -17,17 +17,6 @@ KW = dict(device="cpu", kv_cache_memory="32MiB")
 def moe(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     d = tmp_path_factory.mktemp("moe_async")
     return d, save_tiny_model(d, "qwen3_moe", seed=1)
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(10, 2000, (length,), generator=g).tolist() for length in [5, 37, 70, 18, 101, 9][:n]]
-
-
-def reference(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def run(model_dir: Path, ps, params, async_scheduling: bool, **kw):
