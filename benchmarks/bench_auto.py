@@ -86,7 +86,7 @@ class StageClock:
         eng = llm.engine
         if eng.spec is None:
             return
-        for owner, name in ((eng.spec, "propose"), (eng.spec, "observe"), (eng, "_time_step"),
+        for owner, name in ((eng.spec, "propose"), (eng.spec, "plan_ahead"), (eng.spec, "observe"), (eng, "_time_step"),
                             (eng, "_count_spec_step"), (eng, "_count_draft")):
             self._wrap(owner, name)
 
@@ -265,14 +265,15 @@ def main() -> None:
             # A different order each round: a configuration is not always the one after another.
             for name in names[r % len(names):] + names[: r % len(names)]:
                 llm = llms[name]
-                before = counters(llm)
+                before, ahead = counters(llm), llm.engine.num_async_steps
                 tokens, seconds = run_level(llm, prompts, c, args.max_tokens)
-                after = counters(llm)
+                after, ahead = counters(llm), llm.engine.num_async_steps - ahead
                 results[name][c].append(tokens / seconds)
                 stage = clocks[name].take() if clocks[name] is not None else {}
                 steps = step_clocks[name].take(seconds) if step_clocks[name] is not None else {}
                 if r == args.rounds - 1:
                     details[name][c] = summarize({k: v - before.get(k, 0.0) for k, v in after.items()})
+                    details[name][c]["async_steps"] = ahead  # steps that went ahead (no drafts)
                     if stage:  # ms of host work in the speculative stage, per timed step
                         details[name][c]["stage_s"] = {k: round(v, 4) for k, v in stage.items()}
                     if steps:

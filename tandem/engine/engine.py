@@ -117,16 +117,20 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.spec.aux_layers if self.spec else ())
         self._capture_graphs()
+        self._in_flight: InFlightStep | None = None  # async scheduling: the step launched, not landed
+        self.num_async_steps = 0  # steps left in flight at launch
+        self.async_scheduling = config.scheduler.async_scheduling  # resolved and logged by its setter
         if self.spec is not None and config.spec.adaptive == "auto":
-            self.spec.start_auto(self.runner, config.scheduler.max_num_seqs)
+            self.spec.start_auto(self.runner, config.scheduler.max_num_seqs, plain_overlaps=self.async_scheduling)
         self.metrics = EngineMetrics(self.model_name)
         self.states: dict[str, RequestState] = {}
         self._window = StatsWindow(time.monotonic())
         self._prefix_reported = (0, 0)  # prefix-cache counters already pushed to Prometheus
         self._failed_steps = 0  # steps in a row that failed as a whole (see _fail_step)
-        self._in_flight: InFlightStep | None = None  # async scheduling: the step launched, not landed
-        self.num_async_steps = 0  # steps left in flight at launch
-        self.async_scheduling = config.scheduler.async_scheduling  # resolved and logged by its setter
+        # When the last step's results were ready, while requests remain (None after the engine
+        # ran dry): adaptive auto times each step from there, so a step's time is what it adds to
+        # the wall clock, whether its host work overlapped the device's (async) or not.
+        self._results_at: float | None = None
         startup.log_ready(self, num_blocks, block_size)
 
     # -- start-up planning ------------------------------------------------------------------
@@ -157,19 +161,21 @@ class LLMEngine:
 
     @async_scheduling.setter
     def async_scheduling(self, asked: bool | None) -> None:
-        """--async-scheduling, by default on for CUDA; never with speculation (the drafter and the K
-        controller read each step's tokens) or online hot experts (their swaps land between steps)."""
+        """--async-scheduling, by default on for CUDA; never with online hot experts (their swaps
+        land between steps). With speculation only the steps that draft nothing go ahead."""
         self._async = self._async_scheduling_allowed(asked)
+        if self.spec is not None and self.spec.auto is not None:
+            self.spec.auto.cost.plain_overlaps = self._async
 
     def _async_scheduling_allowed(self, asked: bool | None) -> bool:
         on = self.device.type == "cuda" if asked is None else asked
-        blocker = "speculative decoding" if self.spec is not None else (
-            "--hot-experts online" if self._hot_online is not None else None)
-        if on and blocker is not None:
-            (logger.warning if asked else logger.info)("Async scheduling off: %s needs each step's tokens first", blocker)
+        if on and self._hot_online is not None:
+            (logger.warning if asked else logger.info)(
+                "Async scheduling off: --hot-experts online needs each step's tokens first")
             return False
-        logger.info("Async scheduling: %s", "on (plain decode steps launch before the last one's tokens are back)"
-                    if on else "off")
+        what = "steps that draft nothing" if self.spec is not None else "plain decode steps"
+        logger.info("Async scheduling: %s",
+                    f"on ({what} launch before the last one's tokens are back)" if on else "off")
         return on
 
     def _capture_graphs(self) -> None:
@@ -280,8 +286,15 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - one forward pass for all: nothing singles a request out
                 return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
             self._ran(forward)
-            goes_ahead = self.async_scheduling and can_go_ahead(sched)
-            if not (goes_ahead and self._launch(sched, forward)):
+            if self.async_scheduling and can_go_ahead(sched):
+                failed = self._observe_plain(sched, forward)
+                if failed is not None:
+                    return outputs + failed
+                if self._launch(sched, forward, started=started):
+                    self._update_gauges()
+                    return outputs
+                outputs += self._finish_step(sched, forward, drafts, started, observed=True)
+            else:
                 outputs += self._finish_step(sched, forward, drafts, started)
         self._update_gauges()
         return outputs
@@ -291,30 +304,45 @@ class LLMEngine:
         self.metrics.model_steps.labels(model_name=self.model_name, mode=forward.mode).inc()
 
     def _finish_step(self, sched: SchedulerOutput, forward: ForwardOutput, drafts: Mapping[str, Draft],
-                     started: float) -> list[RequestOutput]:
+                     started: float, observed: bool = False) -> list[RequestOutput]:
         """The synchronous rest of a step whose forward pass ran: sample or verify, advance the
-        scheduler, let the proposer catch up, postprocess."""
+        scheduler, let the proposer catch up (unless `observed`: a plain step it caught up on
+        already), postprocess."""
         masks = self.structured.fill(sched.scheduled) if len(self.structured) else None  # while the GPU runs
         results = self._sample(forward.logits, sched.scheduled, drafts, masks)
         accepted = {s.request.request_id: r.num_accepted for s, r in results if isinstance(r, VerifyResult)}
         self.scheduler.update_after_step(sched, accepted)  # rejected drafts' slots go back here
-        if self.spec is not None:
+        if self.spec is not None and not observed:
             try:
                 self.spec.observe(sched, accepted, forward.aux)
             except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
                 return self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
         outputs = self._postprocess(sched, results)
-        if self.spec is not None and self.spec.auto is not None:
-            self._time_step(sched, time.perf_counter() - started)
+        self._time_step(sched, started)
         if self._hot_online is not None:  # between steps: swaps whose copies are done, and re-ranking
             self._hot_online.after_step()
         return outputs
 
+    def _observe_plain(self, sched: SchedulerOutput, forward: ForwardOutput) -> list[RequestOutput] | None:
+        """Before a step without drafts is launched: the proposer catches up on it (what a plain
+        step keeps is known without its tokens: every query token; DSpark copies its rows of the
+        target's hidden states before the next forward overwrites them). None when it did, or
+        when there is no proposer; else the step's requests end with an error (their outputs)."""
+        if self.spec is None:
+            return None
+        try:
+            self.spec.observe(sched, {}, forward.aux)
+        except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
+            return self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
+        return None
+
     # -- async scheduling (tandem/engine/inflight.py) -------------------------------------------
-    def _launch(self, sched: SchedulerOutput, forward: ForwardOutput, prev: InFlightStep | None = None) -> bool:
+    def _launch(self, sched: SchedulerOutput, forward: ForwardOutput, prev: InFlightStep | None = None,
+                started: float = 0.0) -> bool:
         """Sample the step on the device and leave it in flight: its tokens land in the next call
-        (`prev`: the step in flight it was scheduled ahead of, whose tokens it counts as pending).
-        False when sampling raised (the caller samples the step synchronously, row by row)."""
+        (`prev`: the step in flight it was scheduled ahead of, whose tokens it counts as pending;
+        `started`: when the call that launched it began). False when sampling raised (the caller
+        samples the step synchronously, row by row)."""
         sampling = [s for s in sched.scheduled if s.samples]  # forward.logits: one row each
         pending = None if prev is None else [None if s.input_row is None else prev.tokens[s.input_row]
                                              for s in sampling]
@@ -331,7 +359,7 @@ class LLMEngine:
         # may give back a sliding window's blocks, which must carry their hashes when they go. A
         # later step that hits them runs after this one on the device.
         self.scheduler.commit(sched)
-        self._in_flight = InFlightStep.launch(sched, tokens, logprobs)
+        self._in_flight = InFlightStep.launch(sched, tokens, logprobs, started)
         self.num_async_steps += 1
         return True
 
@@ -341,7 +369,9 @@ class LLMEngine:
         nothing went ahead; the caller then runs a synchronous step."""
         prev, self._in_flight = self._in_flight, None
         started = time.perf_counter()
-        nxt = self.scheduler.schedule_ahead(prev.sched, self.max_model_len) if self.async_scheduling else None
+        if not (self.async_scheduling and self._plain_ahead(prev)):
+            return self._land(prev)
+        nxt = self.scheduler.schedule_ahead(prev.sched, self.max_model_len)
         if nxt is None:
             return self._land(prev)
         try:
@@ -351,11 +381,25 @@ class LLMEngine:
             alive = [s.request for s in nxt.scheduled if s.request.status == RequestStatus.RUNNING]
             return outputs + self._fail_step("running the model", e, alive)
         self._ran(forward)
-        launched = self._launch(nxt, forward, prev)
+        failed = self._observe_plain(nxt, forward)
+        if failed is not None:
+            return self._land(prev) + failed
+        launched = self._launch(nxt, forward, prev, started)
         outputs = self._land(prev)
         if not launched:  # after `prev`'s tokens: a request they stopped is skipped
-            outputs += self._finish_step(nxt, forward, {}, started)
+            outputs += self._finish_step(nxt, forward, {}, started, observed=True)
         return outputs
+
+    def _plain_ahead(self, prev: InFlightStep) -> bool:
+        """With speculation: whether the K policy drafts nothing for the requests decoding after
+        `prev` (`SpecDecoder.plan_ahead`), so the step after it can go ahead. Without: True."""
+        if self.spec is None:
+            return True
+        decoding = [s.request for s in prev.sched.scheduled if s.samples and s.request.status == RequestStatus.RUNNING]
+        if not self.spec.plan_ahead(decoding):
+            return False
+        self._count_spec_step()
+        return True
 
     def _land(self, step: InFlightStep) -> list[RequestOutput]:
         """The in-flight step's tokens: appended and checked (`_postprocess`; a request stopped or
@@ -363,12 +407,21 @@ class LLMEngine:
         the step launched after, if any; the step's own were registered at launch)."""
         outputs = self._postprocess(step.sched, step.results())
         self.scheduler.commit(step.sched)
+        self._time_step(step.sched, step.started)
         return outputs
 
-    def _time_step(self, sched: SchedulerOutput, seconds: float) -> None:
+    def _time_step(self, sched: SchedulerOutput, started: float) -> None:
         """adaptive auto: the step's measured time refines the controller's cost model; predicted
-        and measured go to the stats line and /metrics."""
-        assert self.spec is not None
+        and measured go to the stats line and /metrics. A step's time runs from the previous
+        step's results (`_results_at`; the call that ran it began later only after the engine ran
+        dry), so it counts what the engine does between steps, and a step whose host work
+        overlapped the one before it (async scheduling) counts only what it added."""
+        now = time.perf_counter()
+        since = started if self._results_at is None else self._results_at
+        self._results_at = now if self.has_unfinished else None
+        if self.spec is None or self.spec.auto is None:
+            return
+        seconds = now - since
         prediction = self.spec.observe_step(sched, seconds)
         if prediction is not None:
             self.metrics.count_step_time(prediction.predicted, seconds)

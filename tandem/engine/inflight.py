@@ -10,7 +10,9 @@ stops known in advance (max_tokens, the context length) are not scheduled ahead 
 
 A step goes ahead of one whose requests sample plainly (`can_go_ahead`): prefill chunks and new
 requests are planned ahead as well (`Scheduler.schedule_ahead`); what needs the host between
-steps (speculation, grammars, a preemption) runs the synchronous step. Penalties and min_tokens
+steps (a draft to verify, grammars, a preemption) runs the synchronous step. With speculation a
+step goes ahead when the K policy drafts nothing for it (`SpecDecoder.plan_ahead`: adaptive auto
+at K = 0, a `phase_k` of 0), the proposer catching up on it at launch. Penalties and min_tokens
 go ahead (the sampler counts the pending token on the device), and so do logprobs (computed on
 the device, copied with the tokens).
 """
@@ -36,21 +38,22 @@ class InFlightStep:
     tokens: torch.Tensor  # [S] int64 on the device: the sampled token of each request that samples
     host: list[torch.Tensor]  # their host copies (pinned on CUDA): tokens, then the logprobs' three
     copied: torch.cuda.Event | None  # after the copies; None on the CPU (done when they return)
+    started: float = 0.0  # perf_counter when the engine call that launched it began
 
     @classmethod
     def launch(cls, sched: SchedulerOutput, tokens: torch.Tensor,
-               logprobs: tuple[torch.Tensor, ...] | None = None) -> InFlightStep:
+               logprobs: tuple[torch.Tensor, ...] | None = None, started: float = 0.0) -> InFlightStep:
         """Queue the copies of `tokens` and `logprobs` (`Sampler.logprobs_on_device`) to the host
         behind the step's work."""
         device = [tokens, *(logprobs or ())]
         if tokens.device.type != "cuda":
-            return cls(sched, tokens, device, None)
+            return cls(sched, tokens, device, None, started)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device]
         for h, t in zip(host, device):
             h.copy_(t, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(sched, tokens, host, copied)
+        return cls(sched, tokens, host, copied, started)
 
     def results(self) -> list[tuple[ScheduledRequest, VerifyResult]]:
         """Each request that samples, with its token (and its logprobs when it asks), waiting for

@@ -12,6 +12,12 @@ generate, so no draft reaches past max_tokens or the context.
 After the step, `observe` tells the proposer what was kept and the controller what each draft
 got; `observe_step` gives the controller the step's measured time.
 
+With async scheduling a step the policy drafts nothing for is a plain decode step and goes ahead
+of the step in flight like any other (`tandem/engine/inflight.py`): `plan_ahead` makes the
+policy's choice for it before the tokens in flight land. So under `auto`, K = 0 is what a plain
+step costs with its host work overlapped, and the controller learns that cost online like any
+other (`StepCost.plain_overlaps`).
+
 Phase trackers are fed the tokens a request kept, lazily: each call catches a tracker up with the
 request's output tokens since the last call. Draft tokens are never part of a request's tokens
 (they live in the step's `ScheduledRequest`), so rejected drafts never reach a tracker or an
@@ -102,6 +108,9 @@ class SpecDecoder:
         self.chosen_k: list[tuple[Phase, int]] = []  # (phase, K) of each request the last propose saw
         self.auto: AutoK | None = None  # adaptive auto: built by start_auto
         self._drafted: dict[str, int] = {}  # the depth each request was drafted at by the last propose
+        # plan_ahead's choice when it drafted for some request: the next propose takes it (made
+        # once per step, so a probe the controller chose is not chosen again, or lost)
+        self._planned: dict[str, int] | None = None
         self._drafter_prefilled = False  # the drafter ran prompt work since the last observe_step
 
     @classmethod
@@ -190,10 +199,11 @@ class SpecDecoder:
         tracked = self._tracked.get(req.request_id)
         return tracked.tracker.phase if tracked else CONTENT
 
-    def start_auto(self, runner: ModelRunner, max_num_seqs: int) -> None:
+    def start_auto(self, runner: ModelRunner, max_num_seqs: int, plain_overlaps: bool = False) -> None:
         """adaptive auto: measure the target's steps per (batch bucket, q = 1 + K) and the drafter's
         per (bucket, depth) — graph replays when captured, else eager forwards — log the table,
-        and build the controller. Call after graphs are captured."""
+        and build the controller. Call after graphs are captured. `plain_overlaps`: steps without
+        drafts run with async scheduling (their host work overlaps the device's)."""
         depths = self.config.draft_depths()
         padded = bool(runner.graphs)
         buckets = runner.buckets if padded else batch_buckets(max_num_seqs)
@@ -202,7 +212,8 @@ class SpecDecoder:
         verify = runner.measure([(b, 1 + k) for b in timed for k in (0, *depths)])
         measure_draft = getattr(self.proposer, "measure", None)
         draft = measure_draft(timed, depths) if measure_draft is not None else {}
-        cost = StepCost(verify, draft, padded=padded, buckets=buckets, extra=_cpu_expert_cost(runner.model))
+        cost = StepCost(verify, draft, padded=padded, buckets=buckets, extra=_cpu_expert_cost(runner.model),
+                        plain_overlaps=plain_overlaps)
         how = "graph replays" if padded else f"eager forwards up to batch {timed[-1]}, larger extrapolated"
         logger.info("adaptive auto: step costs measured in %.1f s (%s; ms, refined online from real steps):\n%s",
                     time.perf_counter() - start, how, cost.table())
@@ -211,10 +222,7 @@ class SpecDecoder:
     def choose_k(self, req: Request) -> int:
         """The draft depth of the `off` / `phase` policy for the request's next step, cut so that
         the draft and the token after it stay within max_tokens and the context length."""
-        return self._policy_k(req, self._track(req).tracker.phase)
-
-    def _policy_k(self, req: Request, phase: Phase) -> int:
-        return max(0, min(self.config.k_for(phase), self._room(req)))
+        return max(0, min(self.config.k_for(self._track(req).tracker.phase), self._room(req)))
 
     def _room(self, req: Request) -> int:
         """Draft tokens the request may still take: the draft and the token after it must fit."""
@@ -227,23 +235,55 @@ class SpecDecoder:
         tracked = [self._track(r) for r in reqs]
         phases = [t.tracker.phase for t in tracked]
         ids = [r.request_id for r in reqs]
-        if self.auto is not None:
-            ks = self.auto.choose(ids, phases, [self._room(r) for r in reqs])
+        rooms = [self._room(r) for r in reqs]
+        planned, self._planned = self._planned, None
+        if planned is not None and all(rid in planned for rid in ids):
+            ks = [min(planned[rid], room) for rid, room in zip(ids, rooms)]
         else:
-            ks = [self._policy_k(r, phase) for r, phase in zip(reqs, phases)]  # tracked just above
+            ks = self._choose(ids, reqs, phases, rooms)
         drafts = self.proposer.propose(reqs, ks) if any(ks) else [Draft([]) for _ in reqs]
         self._drafted = dict(zip(ids, ks))
         if self.auto is not None:
             drafts = self._refine(ids, drafts)
+        cut = self.auto is not None  # auto's confidence cut is its choice
+        self._record_k(tracked, ids, phases,
+                       [min(k, len(d.tokens)) if cut and d.confidence is not None else k for k, d in zip(ks, drafts)])
+        return {rid: d for rid, d in zip(ids, drafts) if d.tokens}
+
+    def plan_ahead(self, requests: Sequence[Request]) -> bool:
+        """Async scheduling: whether the step after the one in flight may be planned before its
+        tokens land, i.e. whether the policy drafts nothing for any of `requests` (each about to
+        decode its token in flight). The choice is made now, from the tokens landed so far: a
+        phase switch the token in flight makes is seen one step late (K only changes speed, never
+        the tokens), and each request's room counts that token. When the policy drafts for some
+        request, the choice waits for the next `propose`, which runs once the tokens have landed."""
+        tracked = [self._track(r) for r in requests]
+        phases = [t.tracker.phase for t in tracked]
+        ids = [r.request_id for r in requests]
+        ks = self._choose(ids, requests, phases, [max(0, self._room(r) - 1) for r in requests])
+        if any(ks):
+            self._planned = dict(zip(ids, ks))
+            return False
+        self._drafted = dict.fromkeys(ids, 0)
+        self._record_k(tracked, ids, phases, ks)
+        return True
+
+    def _choose(self, ids: Sequence[str], reqs: Sequence[Request], phases: Sequence[Phase],
+                rooms: Sequence[int]) -> list[int]:
+        """The policy's K per request (auto's controller, or the off / phase rule), within `rooms`."""
+        if self.auto is not None:
+            return self.auto.choose(ids, phases, rooms)
+        return [max(0, min(self.config.k_for(phase), room)) for phase, room in zip(phases, rooms)]
+
+    def _record_k(self, tracked: Sequence[_Tracked], ids: Sequence[str], phases: Sequence[Phase],
+                  ks: Sequence[int]) -> None:
+        """The step's K per request: `chosen_k` for the metrics, and the log line when it changed."""
         self.chosen_k = []
-        for tr, rid, phase, k, d in zip(tracked, ids, phases, ks, drafts):
-            if self.auto is not None and d.confidence is not None:  # auto's confidence cut is its choice
-                k = min(k, len(d.tokens))
+        for tr, rid, phase, k in zip(tracked, ids, phases, ks):
             if k != tr.k and tr.k is not None:
                 self._log_k_change(rid, tr.k, k, phase)
             tr.k = k
             self.chosen_k.append((phase, k))
-        return {rid: d for rid, d in zip(ids, drafts) if d.tokens}
 
     def _refine(self, ids: Sequence[str], drafts: Sequence[Draft]) -> list[Draft]:
         """auto: cut drafts that carry the drafter's confidence where it says the rest does not pay

@@ -188,6 +188,8 @@ class StepCost:
         at the batch size and the mean query length (interpolated, extrapolated past its edges).
     extra(ks): what the tables cannot know (CPU experts: the distinct experts a step's tokens
         route to), added to every prediction.
+    plain_overlaps: steps without drafts run with async scheduling: their host work overlaps the
+        device's, so what a drafting step's host work costs says nothing about theirs (below).
 
     What the tables miss in a real step — host work (scheduling, sampling, detokenizing), longer
     contexts than the measuring shapes, a drafter's per-forward Python — is learned online:
@@ -203,6 +205,7 @@ class StepCost:
     buckets: tuple[int, ...] = ()
     extra: Callable[[Sequence[int]], float] | None = None
     smoothing: float = 0.1
+    plain_overlaps: bool = False
 
     def __post_init__(self) -> None:
         if not self.verify:
@@ -260,10 +263,17 @@ class StepCost:
     def learned(self, ks: Sequence[int], drafted: Sequence[int] | None = None) -> float:
         """The learned host seconds of a step like this (see the class docstring). A kind of step
         not seen yet in its bucket takes the other kind's: most host work is the same with or
-        without a drafter, and 0 would make the unseen kind look free."""
+        without a drafter, and 0 would make the unseen kind look free. Except a plain step under
+        async scheduling (`plain_overlaps`): it runs at the device's pace as far as is known (0),
+        which makes the controller try K = 0 and learn its real cost, where the drafting steps'
+        host work would keep it from ever trying."""
         bucket, drafting = self._residual_key(ks, drafted)
         learned = self.residual.get((bucket, drafting))
-        return learned if learned is not None else self.residual.get((bucket, not drafting), 0.0)
+        if learned is not None:
+            return learned
+        if self.plain_overlaps and not drafting:
+            return 0.0
+        return self.residual.get((bucket, not drafting), 0.0)
 
     def seconds(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
         """Predicted seconds of the step (see `modelled`), with what was learned online; always

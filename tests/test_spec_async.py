@@ -1,0 +1,176 @@
+"""Speculation with async scheduling: a step the K policy drafts nothing for (adaptive auto at
+K = 0, a `phase_k` of 0) goes ahead of the step in flight like a step without speculation, the
+proposer catching up on it at launch; the steps that draft run synchronously. Greedy tokens stay
+those of the engine without speculation, the drafter's state stays usable across the switch, and
+the controller learns what a step at K = 0 costs with its host work overlapped."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem import LLM, SamplingParams
+from tandem.spec.goodput import hand_cost
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_spec_drafters import COMMON, DEMO, GREEDY, QUESTIONS  # noqa: E402
+from test_spec_engine import NGRAM, THINK, counter, repetitive  # noqa: E402
+from tiny_models import save_tiny_model  # noqa: E402
+
+AUTO = {"adaptive": "auto"}
+PHASES = ("reasoning", "content", "tool_call")
+
+
+@pytest.fixture(scope="module")
+def demo_prompts() -> tuple[list[list[int]], list[list[int]]]:
+    from tandem.server.chat_template import ChatTemplate
+
+    llm = LLM(str(DEMO), **COMMON)
+    tok = llm.tokenizer
+    template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    ids = [tok.encode(template.render([{"role": "user", "content": q}], kwargs={})) for q in QUESTIONS[:3]]
+    return ids, [o.token_ids for o in llm.generate(ids, GREEDY)]
+
+
+def never_pays(auto) -> None:
+    """Make drafting cost ten steps a verify token, with evidence in every phase that nothing is
+    accepted (no probe for want of evidence)."""
+    auto.cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0, 4: 30.0} for b in auto.cost.buckets},
+                          plain_overlaps=auto.cost.plain_overlaps)
+    for phase in PHASES:
+        for _ in range(20):
+            auto.stats.observe("seed", phase + "+run", 2, 0)
+            auto.stats.observe("seed", phase, 2, 0)
+
+
+def pays(auto) -> None:
+    """Make a verify token nearly free, and forget the evidence against drafting."""
+    auto.cost = hand_cost({b: {1: 1.0, 2: 1.01, 3: 1.02, 4: 1.03} for b in auto.cost.buckets},
+                          plain_overlaps=auto.cost.plain_overlaps)
+    auto.stats = type(auto.stats)(auto.max_k)
+    auto._choice.clear()  # searched again at once
+
+
+def test_dspark_auto_goes_ahead_at_k0_then_drafts_from_windows_kept_by_the_steps_ahead(demo_prompts):
+    """DSpark's windows of target hidden states are filled only by the steps ahead (prefill and
+    decode at K = 0) until drafting starts to pay mid-request: its drafts then come from those
+    windows, are accepted, and the tokens stay the reference's."""
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "dspark", "num_speculative_tokens": 3, **AUTO},
+              async_scheduling=True, **COMMON)
+    eng = llm.engine
+    assert eng.async_scheduling and eng.spec.auto.cost.plain_overlaps
+    never_pays(eng.spec.auto)
+    for i, p in enumerate(ids):
+        eng.add_request(f"r{i}", p, GREEDY)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
+    steps = 0
+    while eng.has_unfinished:
+        steps += 1
+        if steps == 20:
+            assert counter(eng, "spec_decode_num_drafts") == 0 and eng.num_async_steps >= 15
+            pays(eng.spec.auto)
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert list(got.values()) == ref
+    assert counter(eng, "spec_decode_num_drafts") > 0 and counter(eng, "spec_decode_num_accepted_tokens") > 0
+    assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0
+
+
+def test_auto_times_the_steps_ahead_and_learns_their_cost(demo_prompts):
+    """The steps at K = 0 that went ahead are timed from the previous step's results: the cost
+    model learns a residual for plain steps of its own (before one is seen it takes 0 with async
+    scheduling, the other kind's without)."""
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "dspark", "num_speculative_tokens": 2, **AUTO},
+              async_scheduling=True, **COMMON)
+    auto = llm.engine.spec.auto
+    never_pays(auto)
+    auto.cost.residual[(1, True)] = 5.0  # drafting steps' host work: not what a step ahead costs
+    assert auto.cost.learned([0]) == 0.0
+    auto.cost.plain_overlaps = False
+    assert auto.cost.learned([0]) == 5.0
+    auto.cost.plain_overlaps = True
+    timed = counter(llm.engine, "spec_decode_timed_steps")
+    out = llm.generate(ids[:1], GREEDY)
+    assert out[0].token_ids == ref[0]
+    assert llm.engine.num_async_steps > 20
+    assert counter(llm.engine, "spec_decode_timed_steps") - timed > 20
+    assert (1, False) in auto.cost.residual  # learned from the steps ahead
+
+
+def test_draft_model_auto_catches_up_after_steps_ahead(demo_prompts):
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO},
+              async_scheduling=True, **COMMON)
+    eng = llm.engine
+    never_pays(eng.spec.auto)
+    for i, p in enumerate(ids[:2]):
+        eng.add_request(f"r{i}", p, GREEDY)
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    steps = 0
+    while eng.has_unfinished:
+        steps += 1
+        if steps == 12:
+            pays(eng.spec.auto)
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert list(got.values()) == ref[:2]
+    assert eng.num_async_steps >= 8 and counter(eng, "spec_decode_num_accepted_tokens") > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("moe")
+    save_tiny_model(d, "qwen3_moe", seed=1)
+    return d
+
+
+def test_phase_k_of_zero_goes_ahead_and_a_request_that_drafts_runs_synchronously(tiny_dir):
+    """ngram with `phase_k` 0 for content: requests in content decode ahead; a request reasoning
+    (its prompt opened <think>) drafts at 2 and its steps with a draft run synchronously. Tokens
+    unchanged."""
+    prompts = repetitive(3)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = LLM(str(tiny_dir), device="cpu", kv_cache_memory="32MiB").generate(prompts, params)
+    spec = dict(NGRAM, adaptive="phase", phase_k={"content": 0, "reasoning": 2, "tool_call": 0})
+    llm = LLM(str(tiny_dir), device="cpu", kv_cache_memory="32MiB", speculative_config=spec, async_scheduling=True)
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert llm.engine.num_async_steps > 30 and counter(llm.engine, "spec_decode_num_drafts") == 0
+    think = llm.tokenizer.token_to_id(THINK)
+    mixed = [prompts[0], prompts[1] + [think]]
+    ref = LLM(str(tiny_dir), device="cpu", kv_cache_memory="32MiB").generate(mixed, params)
+    before = llm.engine.num_async_steps
+    out = llm.generate(mixed, params)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert counter(llm.engine, "spec_decode_num_drafts") > 0  # the reasoning request drafted
+    # Steps with a draft to verify waited for the tokens; those where the lookup found nothing
+    # (nothing to verify) went ahead.
+    drafted_steps = counter(llm.engine, "spec_decode_num_drafts")
+    assert 0 < llm.engine.num_async_steps - before <= 41 - drafted_steps
+
+
+def test_the_choice_plan_ahead_makes_is_the_one_the_next_propose_drafts_at(tiny_dir):
+    """When the policy drafts for the step after the one in flight, that step waits for the
+    tokens, and drafts at the K chosen then: the controller is not asked twice (a probe it
+    chose would be lost, its step counters counted twice)."""
+    llm = LLM(str(tiny_dir), device="cpu", kv_cache_memory="32MiB", speculative_config=dict(NGRAM, **AUTO),
+              async_scheduling=True)
+    spec = llm.engine.spec
+    asked: list[list[int]] = []
+
+    def choose(ids, phases, limits):
+        asked.append(list(limits))
+        return [min(2, limit) for limit in limits]
+
+    spec.auto.choose = choose
+    req = llm.engine.new_request("r", repetitive(1)[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    req.num_computed_tokens = req.num_tokens  # its last token is in flight
+    assert not spec.plan_ahead([req])
+    assert asked == [[18]]  # room for the draft and the token after it, less the token in flight
+    req.output_token_ids.append(req.prompt_token_ids[0])  # that token lands
+    req.num_computed_tokens = req.num_tokens - 1
+    drafts = spec.propose([req])
+    assert len(asked) == 1 and spec.chosen_k == [("content", 2)]
+    assert len(drafts["r"].tokens) == 2  # the phrase repeats: the lookup finds two tokens
