@@ -87,6 +87,23 @@ def test_a_request_at_k0_is_probed_and_recovers_when_its_text_turns_easy():
     assert all(k == 4 for k in [h[0] for h in history[110:]])
 
 
+def test_requests_at_k0_space_their_probes_by_their_number():
+    # Nothing is ever accepted: every request sits at K = 0 and probes. Each probe makes its step
+    # a drafting step, so 16 requests probing as often as one would put a probe in most steps;
+    # spaced by their number, the steps with a probe are about as few as with one request.
+    cost = hand_cost({b: {1: 1.0, 2: 1.08, 3: 1.16, 4: 1.24, 5: 1.32} for b in (1, 16)},
+                     draft={(b, d): 0.1 for b in (1, 16) for d in range(1, 5)})
+    truth = {"content": [0.0] * 4}
+
+    def steps_with_a_probe(n: int) -> int:
+        history = run(AutoK(4, (1, 2, 3, 4), cost), truth, {f"r{i}": (lambda step: "content") for i in range(n)}, 900)
+        return sum(1 for ks in history[100:] if any(ks))
+
+    one, many = steps_with_a_probe(1), steps_with_a_probe(16)
+    assert one >= 800 // 40  # a probe every ~18 steps (an 18% dearer step, 1% of the time)
+    assert many <= 2 * one
+
+
 def test_high_concurrency_where_verify_tokens_cost_full_tokens_stops_drafting():
     cost = hand_cost({16: {q: float(q) for q in range(1, 6)}}, draft={(16, d): 0.2 for d in range(1, 5)})
     auto = AutoK(4, (1, 2, 3, 4), cost)

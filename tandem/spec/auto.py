@@ -118,10 +118,10 @@ class AutoK:
         self.catch_up = 0.0  # learned: the extra seconds of a step whose drafter caught up (observe_catch_up)
         self._pending: dict[str, _Pending] = {}
         self._step = 0
-        self._searched = -REFRESH_STEPS  # the step of the last search
         self._can_cut: dict[tuple[int, int, int], tuple[int, bool]] = {}  # see cut_can_pay
         self._drafts_now: dict[tuple[str, int], tuple[int, bool]] = {}  # see drafts_now
-        self._choice: dict[str, dict[str, tuple[int, list[float]]]] = {}  # id -> key -> (K, rates) last searched
+        # id -> key -> (K, rates, step) of the last search that saw the request in that context
+        self._choice: dict[str, dict[str, tuple[int, list[float], int]]] = {}
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
         """Each request's K for this step (0 .. its limit, from 0 and the captured depths)."""
@@ -130,30 +130,37 @@ class AutoK:
         # traces the first draft token is accepted 83% of the time after a full accept, 65% after
         # a rejection).
         keys = [phase + (RUN if self._in_run.get(rid, True) else "") for rid, phase in zip(ids, phases)]
-        # The batch is searched every REFRESH_STEPS steps; in between, each request takes the
-        # choice last searched for it in its context: the estimates move by a few percent in
-        # that time, and the search is most of the controller's host time per step (which a small
-        # GPU step notices). A request without a choice for its context (new, or never searched
-        # in it), or past its limit, makes the batch searched at once.
+        # Each request takes the choice last searched for it in its context while that search is
+        # less than REFRESH_STEPS steps old: the estimates move by a few percent in that time,
+        # and the search is most of the controller's host time per step (which a small GPU step
+        # notices). A request without a fresh choice for its context (new, never searched in it
+        # lately, or past its limit) makes the batch searched at once. The age is per context: a
+        # batch whose requests switch context in step (all probing, then all after a rejection)
+        # would otherwise search on one context's steps only and keep the other's first choice.
         self._step += 1
         cached = [self._choice.get(rid, {}).get(key) for rid, key in zip(ids, keys)]
-        if self._step - self._searched < REFRESH_STEPS and all(
-                c is not None and c[0] <= limit for c, limit in zip(cached, limits)):
+        if all(c is not None and c[0] <= limit and self._step - c[2] < REFRESH_STEPS
+               for c, limit in zip(cached, limits)):
             ks, rates = [c[0] for c in cached], [c[1] for c in cached]
         else:
-            self._searched = self._step
             priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
             rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]
             previous = [self._previous.get(rid, {}).get(key, 0) for rid, key in zip(ids, keys)]
             ks = choose_ks(rates, self.depths, self.cost, previous, limits)
             for rid, key, k, r in zip(ids, keys, ks, rates):
-                self._choice.setdefault(rid, {})[key] = (k, r)
+                self._choice.setdefault(rid, {})[key] = (k, r, self._step)
+        # Requests at K = 0 probe independently, each one making its step a drafting step (with
+        # async scheduling a step that no longer goes ahead): each spaces its probes by their
+        # number, so that together they keep to the budget.
+        idle = max(1, sum(1 for k in ks if k == 0))
         for i, (rid, k) in enumerate(zip(ids, ks)):
             prev, counts = self._previous.setdefault(rid, {}), self._same_steps.setdefault(rid, {})
             same = counts.get(keys[i], 0) + 1 if k == prev.get(keys[i]) else 1
             deeper = [d for d in self.depths if k < d <= limits[i]]
             thin = bool(deeper) and self.stats.phase_tries(keys[i], k + 1) < MIN_EVIDENCE
-            if deeper and (thin or (same >= PROBE_EVERY and same >= self._probe_interval(ks, i, deeper[0]))):
+            spacing = idle if k == 0 else 1
+            if deeper and (thin or (same >= PROBE_EVERY
+                                    and same >= spacing * self._probe_interval(ks, i, deeper[0]))):
                 ks[i], same = deeper[0], 0  # the next captured depth up, once
             counts[keys[i]] = same
             prev[keys[i]] = k  # the choice, not the probe: hysteresis compares with it
