@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from itertools import accumulate
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -20,50 +19,27 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core import ErrorKind, ParamError, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from tandem.engine import startup
+from tandem.engine.errors import MAX_FAILED_STEPS, EngineFatalError, brief, raise_if_fatal
 from tandem.engine.inflight import InFlightStep, can_go_ahead
 from tandem.engine.metrics import EngineMetrics, StatsWindow
 from tandem.engine.output import RequestState, take_token
 from tandem.engine.runner import ForwardOutput, ModelRunner, allocate_kv_caches
-from tandem.engine.sampler import Sampler, SamplerOutput
+from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from tandem.engine.structured import StepMasks, StructuredOutputs
+from tandem.engine.step_sampling import sample_step
+from tandem.engine.structured import StructuredOutputs
 from tandem.engine.validation import check_prompt
 from tandem.kv.manager import KVCacheManager
 from tandem.models.base import CausalLM
 from tandem.models.loader import inspect_checkpoint, load_checkpoint
 from tandem.spec.controller import SpecDecoder
 from tandem.spec.proposer import Draft
-from tandem.spec.verify import VerifyResult, accept_greedy, is_plain_greedy, verify
+from tandem.spec.verify import VerifyResult
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("tandem")
 
 GiB = 1024**3
-# Steps that fail as a whole one after another before the engine gives up: one such step is a
-# request's bad luck (its requests end, the rest go on); several in a row mean the engine is broken.
-MAX_FAILED_STEPS = 3
-# Errors after which the CUDA context is unusable: every later kernel launch fails as well.
-_DEVICE_ERROR_MARKERS = ("CUDA error", "device-side assert", "CUBLAS_STATUS", "CUDNN_STATUS", "illegal memory access")
-
-
-class EngineFatalError(RuntimeError):
-    """The engine cannot go on (a device error, or steps failing one after another); whoever owns
-    it must stop serving. Raised by `LLMEngine.step`."""
-
-
-def is_device_error(error: BaseException) -> bool:
-    """Whether `error` leaves the device unusable: CUDA errors (device-side asserts included) are
-    sticky. Out-of-memory is not one: the failed step's memory goes back to the allocator."""
-    if isinstance(error, torch.AcceleratorError):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in _DEVICE_ERROR_MARKERS)
-
-
-def brief(error: BaseException, limit: int = 200) -> str:
-    """`Type: first line of the message`, at most `limit` characters: what a client is told."""
-    lines = str(error).strip().splitlines()
-    text = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class LLMEngine:
@@ -309,7 +285,7 @@ class LLMEngine:
         scheduler, let the proposer catch up (unless `observed`: a plain step it caught up on
         already), postprocess."""
         masks = self.structured.fill(sched.scheduled) if len(self.structured) else None  # while the GPU runs
-        results = self._sample(forward.logits, sched.scheduled, drafts, masks)
+        results = sample_step(self.sampler, forward.logits, sched.scheduled, drafts, masks)
         accepted = {s.request.request_id: r.num_accepted for s, r in results if isinstance(r, VerifyResult)}
         self.scheduler.update_after_step(sched, accepted)  # rejected drafts' slots go back here
         if self.spec is not None and not observed:
@@ -351,7 +327,7 @@ class LLMEngine:
             tokens = self.sampler.sample(forward.logits, reqs, pending)
             logprobs = self.sampler.logprobs_on_device(forward.logits, reqs, tokens)
         except Exception as e:  # noqa: BLE001 - `_sample` retries and blames the rows
-            self._raise_if_fatal("sampling", e)
+            raise_if_fatal("sampling", e)
             self.sampler.rollback()
             return False
         self.scheduler.advance(sched)
@@ -426,85 +402,6 @@ class LLMEngine:
         if prediction is not None:
             self.metrics.count_step_time(prediction.predicted, seconds)
             self._window.count_step_time(prediction.predicted, seconds)
-
-    def _sample(self, logits: torch.Tensor, batch: list[ScheduledRequest], drafts: Mapping[str, Draft],
-                masks: StepMasks | None = None) -> list[tuple[ScheduledRequest, VerifyResult | Exception]]:
-        """The new tokens of every request that samples this step (logits [R, V]: each one's
-        `num_logits` rows, in batch order), or the error that failed it alone.
-
-        Requests without a draft are sampled together (`_sample_rows`, today's one-token path);
-        plain greedy requests with a draft share one argmax pass (`accept_greedy`); every other
-        request with a draft is verified on its 1 + K rows (`tandem.spec.verify`), drawing from
-        the generator the sampler keeps for it. Requests with a grammar have their rows masked
-        first (`masks`, from `StructuredOutputs.fill`); one whose mask failed is failed alone."""
-        sampling = [s for s in batch if s.samples]
-        offsets = list(accumulate((s.num_logits for s in sampling), initial=0))
-        results: list[VerifyResult | Exception] = [Exception("not sampled")] * len(sampling)
-        masked: dict[int, Exception] = {}
-        if masks is not None:
-            masks.apply(logits)
-            masked = {i: masks.failed[s.request.request_id] for i, s in enumerate(sampling)
-                      if s.request.request_id in masks.failed}
-            for i, e in masked.items():
-                results[i] = e
-        plain = [i for i, s in enumerate(sampling) if not s.draft and i not in masked]
-        if plain:
-            rows = logits if len(plain) == len(sampling) else logits[[offsets[i] for i in plain]]
-            sampled, failed = self._sample_rows(rows, [sampling[i].request for i in plain])
-            for j, i in enumerate(plain):
-                lp = sampled.logprobs[j]
-                results[i] = failed[j] if j in failed else VerifyResult([sampled.token_ids[j]], 0, None if lp is None else [lp])
-        # Plain greedy verifies (most of them) share one argmax over the step's rows and one host
-        # sync; the others are verified one by one.
-        batched = {i for i, s in enumerate(sampling) if s.draft and is_plain_greedy(s.request) and i not in masked}
-        top = logits.argmax(dim=-1).tolist() if batched else []  # [R]
-        for i in sorted(batched):
-            tokens, n = accept_greedy(list(sampling[i].draft), top[offsets[i] : offsets[i + 1]])
-            results[i] = VerifyResult(tokens, n)
-        for i, s in enumerate(sampling):
-            if s.draft and i not in batched and i not in masked:
-                draft = drafts[s.request.request_id].cut(len(s.draft))  # the scheduler may cut a draft
-                results[i] = self._verify(s, logits[offsets[i] : offsets[i + 1]], draft.probs)
-        return list(zip(sampling, results))
-
-    def _verify(self, s: ScheduledRequest, logits: torch.Tensor, draft_probs: torch.Tensor | None
-                ) -> VerifyResult | Exception:
-        """Verify one request's draft on its logits rows [1 + K, V] (draft_probs: the q its tokens
-        were drawn from, None for deterministic drafts); an error fails it alone."""
-        req = s.request
-        try:
-            generator = None if req.params.greedy else self.sampler.generator_for(req)
-            return verify(req, list(s.draft), logits, draft_probs, generator=generator)
-        except Exception as e:  # noqa: BLE001 - a bad request must not fail the batch
-            self._raise_if_fatal("sampling", e)
-            return e
-
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[SamplerOutput, dict[int, Exception]]:
-        """Sample the batch (logits [S, V]); when that raises, sample its rows one by one and
-        blame only the rows that fail alone (returned by row; their tokens are placeholders).
-
-        Before the retry the sampler rolls back the seeded generators the failed call drew from,
-        so a seeded row that succeeds still draws exactly once and its tokens are the ones it
-        would have had without the failure. Unseeded rows draw again from the engine's shared
-        generator: they promise no repeatability. Greedy rows are unaffected."""
-        try:
-            return self.sampler(logits, reqs), {}
-        except Exception as e:  # noqa: BLE001 - a bad row must not fail the batch
-            self._raise_if_fatal("sampling", e)
-            self.sampler.rollback()
-            logger.warning("Sampling a batch of %d requests failed (%s); sampling them one by one",
-                           len(reqs), brief(e), exc_info=e)
-        tokens, logprobs = [0] * len(reqs), [None] * len(reqs)
-        failed: dict[int, Exception] = {}
-        for i, req in enumerate(reqs):
-            try:
-                row = self.sampler(logits[i : i + 1], [req])
-            except Exception as e:  # noqa: BLE001
-                self._raise_if_fatal("sampling", e)
-                failed[i] = e
-            else:
-                tokens[i], logprobs[i] = row.token_ids[0], row.logprobs[0]
-        return SamplerOutput(tokens, logprobs), failed
 
     def _postprocess(self, sched: SchedulerOutput,
                      results: list[tuple[ScheduledRequest, VerifyResult | Exception]]) -> list[RequestOutput]:
@@ -634,7 +531,7 @@ class LLMEngine:
         """End every request of a step that failed as a whole (nothing pins the failure on one of
         them). Raises EngineFatalError instead when the engine cannot go on: after a device error
         or when MAX_FAILED_STEPS steps in a row failed."""
-        self._raise_if_fatal(stage, error)
+        raise_if_fatal(stage, error)
         self._failed_steps += 1
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise EngineFatalError(
@@ -653,11 +550,6 @@ class LLMEngine:
         """End one request that failed while `stage`; the log gets the traceback."""
         logger.error("Request %s failed while %s; ending it with an error", req.request_id, stage, exc_info=error)
         return self._end_with_error(req, f"internal error while {stage}: {brief(error)}")
-
-    @staticmethod
-    def _raise_if_fatal(stage: str, error: Exception) -> None:
-        if is_device_error(error):
-            raise EngineFatalError(f"device error while {stage}: {brief(error)}") from error
 
     def _end_with_error(self, req: Request, message: str, kind: ErrorKind = "internal") -> RequestOutput:
         """Finish a request with finish_reason "error" (freeing its blocks) and build its last delta."""
