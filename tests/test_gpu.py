@@ -79,7 +79,10 @@ def test_cuda_graph_replays_a_batch_of_mixed_draft_lengths_padded(tmp_path, kind
 
     save_tiny_model(tmp_path, kind, seed=8)
     dtype = "float32" if kind == "qwen3" else "bfloat16"  # MoE graphs need the grouped (bf16) experts
-    llm = LLM(str(tmp_path), device="cuda", dtype=dtype, kv_cache_memory="256MiB", max_num_seqs=4, max_k=3)
+    # Synchronous steps: the batch below is built by hand once the prefill steps have landed (with
+    # async scheduling the step after them would be in flight, its slots taken).
+    llm = LLM(str(tmp_path), device="cuda", dtype=dtype, kv_cache_memory="256MiB", max_num_seqs=4, max_k=3,
+              async_scheduling=False)
     eng = llm.engine
     assert (4, 4) in eng.runner.graphs
     g = torch.Generator().manual_seed(3)
