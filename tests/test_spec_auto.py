@@ -104,6 +104,38 @@ def test_requests_at_k0_space_their_probes_by_their_number():
     assert many <= 2 * one
 
 
+def test_an_all_zero_choice_repeated_without_a_search_gives_the_same_ks_and_probes():
+    # The engine asks `repeat_zero` before `choose` for the step after one in flight: a held
+    # all-zero choice must give exactly the ks (probes included) choosing every step gives.
+    cost = hand_cost({b: {1: 1.0, 2: 1.08, 3: 1.16, 4: 1.24, 5: 1.32} for b in (1, 4)},
+                     draft={(b, d): 0.1 for b in (1, 4) for d in range(1, 5)})
+    truth = {"content": [0.0] * 4, "reasoning": [0.9] * 4}
+    ids = ["a", "b", "c", "d"]
+
+    def phase_of(step: int) -> list[str]:  # "d" reasons for a while: drafting pays for it then
+        return ["content"] * 3 + ["reasoning" if 300 <= step < 340 else "content"]
+
+    def drive(hold: bool) -> tuple[list[list[int]], int]:
+        auto, rng, history, repeated = AutoK(4, (1, 2, 3, 4), cost), random.Random(1), [], 0
+        for step in range(700):
+            phases = phase_of(step)
+            if hold and history and not any(history[-1]) and auto.repeat_zero(ids, phases):
+                ks, repeated = [0] * 4, repeated + 1
+            else:
+                ks = auto.choose(ids, phases, [9] * 4)
+            for rid, phase, k in zip(ids, phases, ks):
+                if k:
+                    auto.observe(rid, k, verify(rng, truth[phase], k))
+            history.append(ks)
+        return history, repeated
+
+    every, _ = drive(False)
+    held, repeated = drive(True)
+    assert held == every
+    assert repeated > 400  # most steps at K = 0 were held
+    assert sum(1 for ks in every[100:300] if any(ks)) >= 2  # probes still come
+
+
 def test_high_concurrency_where_verify_tokens_cost_full_tokens_stops_drafting():
     cost = hand_cost({16: {q: float(q) for q in range(1, 6)}}, draft={(16, d): 0.2 for d in range(1, 5)})
     auto = AutoK(4, (1, 2, 3, 4), cost)

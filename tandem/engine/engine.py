@@ -266,7 +266,7 @@ class LLMEngine:
                 failed = self._observe_plain(sched, forward)
                 if failed is not None:
                     return outputs + failed
-                if self._launch(sched, forward, started=started):
+                if self._launch(sched, forward):
                     self._update_gauges()
                     return outputs
                 outputs += self._finish_step(sched, forward, drafts, started, observed=True)
@@ -294,7 +294,7 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
                 return self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
         outputs = self._postprocess(sched, results)
-        self._time_step(sched, started)
+        self._time_step(sched, started if self._results_at is None else self._results_at)
         if self._hot_online is not None:  # between steps: swaps whose copies are done, and re-ranking
             self._hot_online.after_step()
         return outputs
@@ -313,12 +313,10 @@ class LLMEngine:
         return None
 
     # -- async scheduling (tandem/engine/inflight.py) -------------------------------------------
-    def _launch(self, sched: SchedulerOutput, forward: ForwardOutput, prev: InFlightStep | None = None,
-                started: float = 0.0) -> bool:
+    def _launch(self, sched: SchedulerOutput, forward: ForwardOutput, prev: InFlightStep | None = None) -> bool:
         """Sample the step on the device and leave it in flight: its tokens land in the next call
-        (`prev`: the step in flight it was scheduled ahead of, whose tokens it counts as pending;
-        `started`: when the call that launched it began). False when sampling raised (the caller
-        samples the step synchronously, row by row)."""
+        (`prev`: the step in flight it was scheduled ahead of, whose tokens it counts as pending).
+        False when sampling raised (the caller samples the step synchronously, row by row)."""
         sampling = [s for s in sched.scheduled if s.samples]  # forward.logits: one row each
         pending = None if prev is None else [None if s.input_row is None else prev.tokens[s.input_row]
                                              for s in sampling]
@@ -335,7 +333,7 @@ class LLMEngine:
         # may give back a sliding window's blocks, which must carry their hashes when they go. A
         # later step that hits them runs after this one on the device.
         self.scheduler.commit(sched)
-        self._in_flight = InFlightStep.launch(sched, tokens, logprobs, started)
+        self._in_flight = InFlightStep.launch(sched, tokens, logprobs, chained=prev is not None)
         self.num_async_steps += 1
         return True
 
@@ -360,7 +358,7 @@ class LLMEngine:
         failed = self._observe_plain(nxt, forward)
         if failed is not None:
             return self._land(prev) + failed
-        launched = self._launch(nxt, forward, prev, started)
+        launched = self._launch(nxt, forward, prev)
         outputs = self._land(prev)
         if not launched:  # after `prev`'s tokens: a request they stopped is skipped
             outputs += self._finish_step(nxt, forward, {}, started, observed=True)
@@ -383,19 +381,21 @@ class LLMEngine:
         the step launched after, if any; the step's own were registered at launch)."""
         outputs = self._postprocess(step.sched, step.results())
         self.scheduler.commit(step.sched)
-        self._time_step(step.sched, step.started)
+        # Timed only when it went ahead of another step: in a run of steps ahead each adds what
+        # one step costs with its host work overlapped. The first of a run also carries the
+        # call that launched it, which overlapped nothing (and one landing after the engine ran
+        # dry, the time it sat idle).
+        self._time_step(step.sched, self._results_at if step.chained else None)
         return outputs
 
-    def _time_step(self, sched: SchedulerOutput, started: float) -> None:
-        """adaptive auto: the step's measured time refines the controller's cost model; predicted
-        and measured go to the stats line and /metrics. A step's time runs from the previous
-        step's results (`_results_at`; the call that ran it began later only after the engine ran
-        dry), so it counts what the engine does between steps, and a step whose host work
-        overlapped the one before it (async scheduling) counts only what it added."""
+    def _time_step(self, sched: SchedulerOutput, since: float | None) -> None:
+        """adaptive auto: the step's measured time (from `since`: the previous step's results,
+        `_results_at`, or the call's start after the engine ran dry; None: not timed) refines the
+        controller's cost model; predicted and measured go to the stats line and /metrics. Timing
+        from the previous step's results counts what the engine does between steps too."""
         now = time.perf_counter()
-        since = started if self._results_at is None else self._results_at
         self._results_at = now if self.has_unfinished else None
-        if self.spec is None or self.spec.auto is None:
+        if since is None or self.spec is None or self.spec.auto is None:
             return
         seconds = now - since
         prediction = self.spec.observe_step(sched, seconds)
@@ -441,9 +441,9 @@ class LLMEngine:
     def _count_spec_step(self) -> None:
         """The K each request got this step, by phase, and the drafter's forwards (graph or eager)."""
         assert self.spec is not None
-        for phase, k in self.spec.chosen_k:
-            self.metrics.count_k(phase, k)
-            self._window.count_k(phase, k)
+        for (phase, k), n in self.spec.k_counts.items():
+            self.metrics.count_k(phase, k, n)
+            self._window.count_k(phase, k, n)
         for mode, n in self.spec.take_drafter_forwards().items():
             if n:
                 self.metrics.drafter_steps.labels(model_name=self.model_name, mode=mode).inc(n)

@@ -38,22 +38,22 @@ class InFlightStep:
     tokens: torch.Tensor  # [S] int64 on the device: the sampled token of each request that samples
     host: list[torch.Tensor]  # their host copies (pinned on CUDA): tokens, then the logprobs' three
     copied: torch.cuda.Event | None  # after the copies; None on the CPU (done when they return)
-    started: float = 0.0  # perf_counter when the engine call that launched it began
+    chained: bool = False  # launched ahead of another step in flight (not the first of a run)
 
     @classmethod
     def launch(cls, sched: SchedulerOutput, tokens: torch.Tensor,
-               logprobs: tuple[torch.Tensor, ...] | None = None, started: float = 0.0) -> InFlightStep:
+               logprobs: tuple[torch.Tensor, ...] | None = None, chained: bool = False) -> InFlightStep:
         """Queue the copies of `tokens` and `logprobs` (`Sampler.logprobs_on_device`) to the host
         behind the step's work."""
         device = [tokens, *(logprobs or ())]
         if tokens.device.type != "cuda":
-            return cls(sched, tokens, device, None, started)
+            return cls(sched, tokens, device, None, chained)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device]
         for h, t in zip(host, device):
             h.copy_(t, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(sched, tokens, host, copied, started)
+        return cls(sched, tokens, host, copied, chained)
 
     def results(self) -> list[tuple[ScheduledRequest, VerifyResult]]:
         """Each request that samples, with its token (and its logprobs when it asks), waiting for

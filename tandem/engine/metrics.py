@@ -87,9 +87,9 @@ class EngineMetrics:
         for pos in range(num_accepted):
             self.spec_accepted_per_pos.labels(**labels, position=str(pos)).inc()
 
-    def count_k(self, phase: str, k: int) -> None:
-        """One request-step that chose draft depth `k` (0: no draft) in `phase`."""
-        self.spec_k.labels(model_name=self.model_name, phase=phase, k=str(k)).inc()
+    def count_k(self, phase: str, k: int, n: int = 1) -> None:
+        """n request-steps that chose draft depth `k` (0: no draft) in `phase`."""
+        self.spec_k.labels(model_name=self.model_name, phase=phase, k=str(k)).inc(n)
 
     def count_step_time(self, predicted: float, measured: float) -> None:
         """One step whose time the K controller predicted (every step under adaptive auto: the
@@ -178,10 +178,10 @@ class StatsWindow:
         self.predicted_seconds += predicted
         self.measured_seconds += measured
 
-    def count_k(self, phase: str, k: int) -> None:
-        """One request-step's chosen draft depth `k` in `phase` (0: no draft). The draft verified
+    def count_k(self, phase: str, k: int, n: int = 1) -> None:
+        """n request-steps' chosen draft depth `k` in `phase` (0: no draft). The draft verified
         may be shorter than K (a proposer can find fewer tokens); this counts the choice."""
-        self.ks.setdefault(phase, collections.Counter())[k] += 1
+        self.ks.setdefault(phase, collections.Counter())[k] += n
 
     @property
     def total(self) -> DraftCounts:

@@ -30,6 +30,7 @@ draft's expected accepted tokens, and each step's predicted seconds.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,6 +123,13 @@ class AutoK:
         self._drafts_now: dict[tuple[str, int], tuple[int, bool]] = {}  # see drafts_now
         # id -> key -> (K, rates, step) of the last search that saw the request in that context
         self._choice: dict[str, dict[str, tuple[int, list[float], int]]] = {}
+        # An all-zero choice repeats unchanged for `_hold` more steps of the same requests in the
+        # same phases (`repeat_zero`): no probe or search falls due before then. The steps it
+        # repeated are added to those requests' same-K counts at the next `choose`.
+        self._hold = 0
+        self._hold_of: tuple[list[str], list[str]] = ([], [])  # (ids, phases)
+        self._held: list[tuple[str, str]] = []  # (id, key) of the requests held
+        self._held_steps = 0
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
         """Each request's K for this step (0 .. its limit, from 0 and the captured depths)."""
@@ -138,6 +146,7 @@ class AutoK:
         # batch whose requests switch context in step (all probing, then all after a rejection)
         # would otherwise search on one context's steps only and keep the other's first choice.
         self._step += 1
+        self._apply_held()
         cached = [self._choice.get(rid, {}).get(key) for rid, key in zip(ids, keys)]
         if all(c is not None and c[0] <= limit and self._step - c[2] < REFRESH_STEPS
                for c, limit in zip(cached, limits)):
@@ -167,7 +176,53 @@ class AutoK:
             if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
                 self._in_run[rid] = True
             self._pending[rid] = _Pending(phases[i], keys[i], rates[i])
+        self._hold = 0 if any(ks) else self._zero_hold(ids, keys, limits, idle)
+        if self._hold:
+            self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
         return ks
+
+    def repeat_zero(self, ids: Sequence[str], phases: Sequence[str]) -> bool:
+        """Whether this step's choice is the last one, all zero, repeated: the same requests in
+        the same phases, within the steps it holds for. Then the step is counted as chosen (no
+        search, no per-request work: a step that goes ahead at the device's pace notices the host
+        time), and the caller keeps the last choice."""
+        if self._hold <= 0 or list(ids) != self._hold_of[0] or list(phases) != self._hold_of[1]:
+            return False
+        self._hold -= 1
+        self._held_steps += 1
+        self._step += 1
+        return True
+
+    def _apply_held(self) -> None:
+        if self._held_steps:
+            for rid, key in self._held:
+                counts = self._same_steps.get(rid)
+                if counts is not None and key in counts:
+                    counts[key] += self._held_steps
+            self._held_steps = 0
+        self._hold = 0
+
+    def _zero_hold(self, ids: Sequence[str], keys: Sequence[str], limits: Sequence[int], idle: int) -> int:
+        """Steps an all-zero choice just made would repeat unchanged: before any request's cached
+        choice expires or its next probe falls due (0 while a phase lacks evidence: it probes;
+        0 for a request choosing after a rejection: at K = 0 its context changes next step)."""
+        hold = REFRESH_STEPS
+        intervals: dict[int, float] = {}
+        for rid, key, limit in zip(ids, keys, limits):
+            if not key.endswith(RUN):
+                return 0
+            hold = min(hold, REFRESH_STEPS - 1 - (self._step - self._choice[rid][key][2]))
+            deeper = next((d for d in self.depths if 0 < d <= limit), None)
+            if deeper is None:
+                continue
+            if self.stats.phase_tries(key, 1) < MIN_EVIDENCE:
+                return 0
+            if deeper not in intervals:
+                intervals[deeper] = max(PROBE_EVERY, idle * self._probe_interval([0] * len(ids), 0, deeper))
+            hold = min(hold, math.ceil(intervals[deeper] - self._same_steps[rid][key]) - 1)
+            if hold <= 0:
+                return 0
+        return max(hold, 0)
 
     def drafts_now(self, phase: str, batch: int) -> bool:
         """Whether a request starting in `phase` would draft in a batch of this size, from the

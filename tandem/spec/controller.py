@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -106,6 +107,7 @@ class SpecDecoder:
         self._unlogged_k_changes = 0
         self.drafter_forwards: dict[str, int] = {}  # by mode, since the last take_drafter_forwards
         self.chosen_k: list[tuple[Phase, int]] = []  # (phase, K) of each request the last propose saw
+        self.k_counts: Counter[tuple[Phase, int]] = Counter()  # chosen_k counted
         self.auto: AutoK | None = None  # adaptive auto: built by start_auto
         self._drafted: dict[str, int] = {}  # the depth each request was drafted at by the last propose
         # plan_ahead's choice when it drafted for some request: the next propose takes it (made
@@ -260,6 +262,8 @@ class SpecDecoder:
         tracked = [self._track(r) for r in requests]
         phases = [t.tracker.phase for t in tracked]
         ids = [r.request_id for r in requests]
+        if self.auto is not None and self.auto.repeat_zero(ids, phases):
+            return True  # the last choice again: _drafted and chosen_k stand
         ks = self._choose(ids, requests, phases, [max(0, self._room(r) - 1) for r in requests])
         if any(ks):
             self._planned = dict(zip(ids, ks))
@@ -284,6 +288,7 @@ class SpecDecoder:
                 self._log_k_change(rid, tr.k, k, phase)
             tr.k = k
             self.chosen_k.append((phase, k))
+        self.k_counts = Counter(self.chosen_k)
 
     def _refine(self, ids: Sequence[str], drafts: Sequence[Draft]) -> list[Draft]:
         """auto: cut drafts that carry the drafter's confidence where it says the rest does not pay
@@ -313,7 +318,8 @@ class SpecDecoder:
         kept = [s.num_tokens - len(s.draft) + min(accepted.get(s.request.request_id, 0), len(s.draft))
                 for s in sched.scheduled]
         batch = sched.scheduled
-        if self.auto is not None and getattr(self.proposer, "prefill_is_optional", False):
+        if (self.auto is not None and getattr(self.proposer, "prefill_is_optional", False)
+                and any(s.num_tokens > 1 and not s.draft for s in batch)):
             # A drafter that catches up by itself (a draft model) skips the prompt of a request
             # the controller would not draft for now: prefilling it alongside the target is
             # time spent for nothing if the request never drafts.
