@@ -10,6 +10,11 @@ when it ends at the request's last computed position and reaches back W position
 (a prefix-cache hit left fewer than W positions computed; the engine asks the KV manager to
 leave W) drafts nothing that step.
 
+The windows live in one device ring, [slots, W, F]: a request holds a slot, position p's row at
+p mod W. A step's rows for every request are written with one scatter, and `propose` gathers the
+windows it drafts from with one gather, whatever the batch: per-request tensor work would cost
+host time every step, which a step at K = 0 going ahead at the device's pace notices.
+
 On CUDA, `capture` records the drafter's block forward per batch bucket, greedy and sampling
 (Gumbel noise drawn outside the graph from each request's generator), and `propose` replays it.
 """
@@ -34,11 +39,12 @@ logger = logging.getLogger("tandem")
 
 @dataclass
 class _Window:
-    # [W, F] when full: the target's fused features at positions next_pos - W .. next_pos - 1, kept
-    # padded (position 0's row repeated at the front) while fewer than W positions exist from 0.
-    rows: torch.Tensor
+    """A request's window in the ring: positions next_pos - real .. next_pos - 1 are real rows, at
+    ring[slot, p mod W]."""
+
+    slot: int
     next_pos: int  # the first position whose features are not in the window
-    real: int  # rows that are real positions (the others are padding)
+    real: int  # positions in the window that were observed (the others, before them, are not)
 
     def usable_at(self, last_computed: int, w: int) -> bool:
         return self.next_pos == last_computed and (self.real >= w or self.next_pos == self.real)
@@ -67,6 +73,8 @@ class DSparkProposer:
         self.aux_layers = drafter.cfg.target_layers
         self.window = drafter.cfg.window
         self._windows: dict[str, _Window] = {}
+        self._ring: torch.Tensor | None = None  # [slots, W, F], grown by doubling
+        self._free: list[int] = []  # slots no request holds
         # Block depths drafted (one graph each): the K values the policy uses; a batch drafts the
         # smallest depth covering its largest K (drafts are prefix-consistent).
         self.depths = tuple(sorted(set(depths) | {kmax}))
@@ -77,19 +85,51 @@ class DSparkProposer:
     def observe(self, batch: Sequence[ScheduledRequest], kept: Sequence[int], aux: torch.Tensor | None) -> None:
         if aux is None:
             raise RuntimeError("the DSpark proposer needs the target runner's aux-layer outputs (aux_layers)")
+        w = self.window
+        slots: list[int] = []
+        places: list[int] = []
+        rows: list[int] = []
         at = 0
         for s, n in zip(batch, kept):
-            rows = aux[at : at + n]
-            at += s.num_tokens
             rid = s.request.request_id
             win = self._windows.get(rid)
-            if win is None or win.next_pos != s.start:  # new, or recomputed from another position
-                win = self._windows[rid] = _Window(rows[:0], s.start, 0)
-            real = min(win.real + n, self.window)
-            win.rows = torch.cat([win.rows[win.rows.shape[0] - win.real :], rows])[-real:]
-            if win.next_pos + n == real and real < self.window:  # from position 0: pad with its row
-                win.rows = torch.cat([win.rows[:1].expand(self.window - real, -1), win.rows])
-            win.next_pos, win.real = s.start + n, real
+            if win is None:
+                win = self._windows[rid] = _Window(self._take_slot(aux), s.start, 0)
+            elif win.next_pos != s.start:  # recomputed from another position
+                win.next_pos, win.real = s.start, 0
+            first = max(0, n - w)  # rows older than the last W of this step are overwritten anyway
+            for j in range(first, n):
+                slots.append(win.slot)
+                places.append((s.start + j) % w)
+                rows.append(at + j)
+            win.next_pos, win.real = s.start + n, min(win.real + n, w)
+            at += s.num_tokens
+        if rows:
+            assert self._ring is not None
+            index = torch.tensor([slots, places, rows]).to(aux.device, non_blocking=True)
+            self._ring[index[0], index[1]] = aux.index_select(0, index[2]).to(self._ring.dtype)
+
+    def _take_slot(self, aux: torch.Tensor) -> int:
+        """A free slot of the ring, which doubles (copying what it holds) when none is left."""
+        if not self._free:
+            old = 0 if self._ring is None else self._ring.shape[0]
+            grown = torch.zeros(max(8, 2 * old), self.window, aux.shape[1], dtype=aux.dtype, device=aux.device)
+            if self._ring is not None:
+                grown[:old] = self._ring
+            self._ring = grown
+            self._free = list(range(grown.shape[0] - 1, old - 1, -1))
+        return self._free.pop()
+
+    def _gather(self, wins: Sequence[_Window], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The windows [N, W, F] in position order (into `out` when given); a window of fewer than
+        W positions from position 0 is padded with position 0's row at the front."""
+        assert self._ring is not None
+        w = self.window
+        index = [[max(0, win.next_pos - w + j) % w for j in range(w)] for win in wins]
+        slot_t = torch.tensor([win.slot for win in wins]).to(self._ring.device, non_blocking=True)
+        index_t = torch.tensor(index).to(self._ring.device, non_blocking=True)
+        feats = self._ring[slot_t.unsqueeze(1), index_t]
+        return feats if out is None else out.copy_(feats)
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         if len(requests) != len(ks):
@@ -101,7 +141,7 @@ class DSparkProposer:
         if not idx:
             return drafts
         reqs = [requests[i] for i in idx]
-        windows = [self._windows[r.request_id].rows for r in reqs]  # each [W, F]
+        windows = [self._windows[r.request_id] for r in reqs]
         known = [r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in reqs]
         sampled = [not r.params.greedy for r in reqs]
         depth = next(d for d in self.depths if d >= max(ks[i] for i in idx))
@@ -114,7 +154,9 @@ class DSparkProposer:
         return drafts
 
     def remove(self, request_id: str) -> None:
-        self._windows.pop(request_id, None)
+        win = self._windows.pop(request_id, None)
+        if win is not None:
+            self._free.append(win.slot)
 
     def __len__(self) -> int:
         return len(self._windows)
@@ -135,21 +177,21 @@ class DSparkProposer:
             temps.append(req.params.temperature if sampled[j] else 1.0)
         inv_temp.copy_(1.0 / torch.tensor(temps), non_blocking=True)
 
-    def _draft(self, windows: list[torch.Tensor], known: list[int], reqs: Sequence[Request],
+    def _draft(self, windows: list[_Window], known: list[int], reqs: Sequence[Request],
                sampled: Sequence[bool], depth: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         n, any_sampled = len(windows), any(sampled)
         bucket = next((b for b in self._buckets if b >= n), None)
         graph = self._graphs.get((bucket, depth, any_sampled)) if bucket is not None else None
         self.count_forward("cuda_graph" if graph is not None else "eager")
         if graph is None:
-            feats, known_t = torch.stack(windows), torch.tensor(known, device=self.device)
+            feats, known_t = self._gather(windows), torch.tensor(known, device=self.device)
             if not any_sampled:
                 return self.drafter.draft_block(feats, known_t, depth)
             inv_temp = torch.empty(n, device=self.device)
             gumbel = torch.empty(n, depth, self.drafter.cfg.vocab_size, device=self.device)
             self._noise(reqs, sampled, inv_temp, gumbel)
             return self.drafter.draft_block(feats, known_t, depth, inv_temp, gumbel)
-        torch.stack(windows, out=self._feats[:n])  # straight into the graph's input
+        self._gather(windows, out=self._feats[:n])  # into the graph's input
         self._known[:n].copy_(torch.tensor(known), non_blocking=True)
         if any_sampled:  # drawn straight into the graph's inputs
             self._noise(reqs, sampled, self._inv_temp[:n], self._gumbel[:n, :depth])
