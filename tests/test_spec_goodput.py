@@ -213,3 +213,23 @@ def test_with_experts_in_ram_a_deeper_draft_pays_for_the_experts_it_reaches() ->
     assert choose_ks(rates, (1, 2, 3), StepCost(verify)) == [3]
     assert choose_ks(rates, (1, 2, 3), StepCost(verify, extra=extra)) == [0]  # 0.2 ms an expert vs 1 ms a step
     assert choose_ks(rates, (1, 2, 3), StepCost(verify, extra=lambda ks: extra(ks) / 5)) == [2]  # faster RAM
+
+
+def test_with_async_plain_steps_k0_is_tried_before_its_estimate_counts() -> None:
+    # Under async scheduling an unseen plain step costs the device's time (the drafting steps'
+    # host work says nothing about it), and so it stays until MIN_PLAIN_STEPS were seen; the
+    # estimate learns meanwhile and counts after that. Without async, the other kind's is used.
+    from tandem.spec.goodput import MIN_PLAIN_STEPS
+
+    cost = hand_cost({1: {1: 1.0, 2: 1.05}}, plain_overlaps=True)
+    for _ in range(20):
+        cost.observe([1], 1.05 + 2.0)  # drafting steps: 2 s of host work each
+    assert cost.learned([1]) > 1.0 and cost.learned([0]) == 0.0
+    for _ in range(MIN_PLAIN_STEPS - 1):
+        cost.observe([0], 1.5)  # plain steps: 0.5 s over the table (capped at twice the prediction)
+    assert cost.learned([0]) == 0.0 and cost.seconds([0]) == pytest.approx(1.0)
+    cost.observe([0], 1.5)
+    assert 0.4 < cost.learned([0]) < 0.5  # 0.5 * (1 - 0.9 ** 32)
+    sync = hand_cost({1: {1: 1.0, 2: 1.05}})
+    sync.observe([1], 3.05)
+    assert sync.learned([0]) == sync.learned([1]) > 0.0

@@ -56,6 +56,10 @@ OUTLIER_FACTOR = 2.0  # a measured step counts as at most this many times its pr
 # could predict a step taking no time, or less. A prediction never drops below this share of the
 # tables' time.
 MIN_MODELLED_SHARE = 0.25
+# With async scheduling, plain steps observed before this many are taken as no dearer than the
+# device's time: the few plain steps a drafting batch makes (between probes, after a prefill) are
+# not what a run of them costs, and an estimate from them can keep K = 0 from being tried at all.
+MIN_PLAIN_STEPS = 32
 
 
 @dataclass
@@ -219,6 +223,7 @@ class StepCost:
         for (b, d), t in sorted(self.draft.items()):
             self._draft_by_depth.setdefault(d, []).append((b, t))
         self.residual: dict[tuple[int, bool], float] = {}  # (bucket, drafter ran) -> learned seconds
+        self.observed: dict[tuple[int, bool], int] = {}  # steps the residual learned from
         self._bucket_of = [self.buckets[bisect.bisect_left(self.buckets, n)] for n in range(self.buckets[-1] + 1)]
 
     @property
@@ -266,13 +271,14 @@ class StepCost:
         without a drafter, and 0 would make the unseen kind look free. Except a plain step under
         async scheduling (`plain_overlaps`): it runs at the device's pace as far as is known (0),
         which makes the controller try K = 0 and learn its real cost, where the drafting steps'
-        host work would keep it from ever trying."""
+        host work would keep it from ever trying; and so it stays until MIN_PLAIN_STEPS plain
+        steps were seen (the estimate learns meanwhile)."""
         bucket, drafting = self._residual_key(ks, drafted)
         learned = self.residual.get((bucket, drafting))
+        if self.plain_overlaps and not drafting and self.observed.get((bucket, False), 0) < MIN_PLAIN_STEPS:
+            return min(learned or 0.0, 0.0)  # see MIN_PLAIN_STEPS
         if learned is not None:
             return learned
-        if self.plain_overlaps and not drafting:
-            return 0.0
         return self.residual.get((bucket, not drafting), 0.0)
 
     def seconds(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
@@ -291,7 +297,11 @@ class StepCost:
         # prediction: a persistent change is still learned within a few dozen steps (each may
         # double the estimate), an outlier is not frozen into the estimate.
         err = min(seconds, OUTLIER_FACTOR * predicted) - modelled
-        self.residual[key] = (1 - self.smoothing) * old + self.smoothing * err
+        learned = self.residual.get(key)
+        if learned is None:  # start from the value used so far (another kind's, or 0)
+            learned = old
+        self.residual[key] = (1 - self.smoothing) * learned + self.smoothing * err
+        self.observed[key] = self.observed.get(key, 0) + 1
         return predicted
 
     def table(self) -> str:
