@@ -14,8 +14,8 @@ from tandem.spec.goodput import hand_cost
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_spec_drafters import COMMON, DEMO, GREEDY, QUESTIONS  # noqa: E402
+from test_spec_auto import tiny_dir  # noqa: E402, F401 - the fixture
 from test_spec_engine import NGRAM, THINK, counter, repetitive  # noqa: E402
-from tiny_models import save_tiny_model  # noqa: E402
 
 AUTO = {"adaptive": "auto"}
 PHASES = ("reasoning", "content", "tool_call")
@@ -117,13 +117,6 @@ def test_draft_model_auto_catches_up_after_steps_ahead(demo_prompts):
             got[out.request_id] += out.new_token_ids
     assert list(got.values()) == ref[:2]
     assert eng.num_async_steps >= 8 and counter(eng, "spec_decode_num_accepted_tokens") > 0
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("moe")
-    save_tiny_model(d, "qwen3_moe", seed=1)
-    return d
 
 
 def test_phase_k_of_zero_goes_ahead_and_a_request_that_drafts_runs_synchronously(tiny_dir):
