@@ -324,7 +324,7 @@ class LLMEngine:
         try:
             tokens = self.sampler.sample(forward.logits, reqs, pending)
             logprobs = self.sampler.logprobs_on_device(forward.logits, reqs, tokens)
-        except Exception as e:  # noqa: BLE001 - `_sample` retries and blames the rows
+        except Exception as e:  # noqa: BLE001 - `sample_step` retries and blames the rows
             raise_if_fatal("sampling", e)
             self.sampler.rollback()
             return False
@@ -348,6 +348,8 @@ class LLMEngine:
         nxt = self.scheduler.schedule_ahead(prev.sched, self.max_model_len)
         if nxt is None:
             return self._land(prev)
+        if self.spec is not None:
+            self._count_spec_step()  # the K = 0 plan_ahead chose
         try:
             forward = self.runner.execute(nxt.scheduled, pending=prev.tokens)
         except Exception as e:  # noqa: BLE001 - as in `step`
@@ -370,10 +372,7 @@ class LLMEngine:
         if self.spec is None:
             return True
         decoding = [s.request for s in prev.sched.scheduled if s.samples and s.request.status == RequestStatus.RUNNING]
-        if not self.spec.plan_ahead(decoding):
-            return False
-        self._count_spec_step()
-        return True
+        return self.spec.plan_ahead(decoding)
 
     def _land(self, step: InFlightStep) -> list[RequestOutput]:
         """The in-flight step's tokens: appended and checked (`_postprocess`; a request stopped or
