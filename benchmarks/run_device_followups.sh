@@ -16,6 +16,7 @@
 # the GPU tests of the V4 kernels and of async scheduling; `gpu` (up to 9 minutes) every GPU test,
 # the engine's now with async scheduling on by default (CPU experts, hot experts, graphs, drafters);
 # `v4prefix` (~3 minutes) is the same decode with prefix caching on (the server's default).
+# Session 10 ran `v4` (issue 18's run), `gpu` and `v4prefix` (BENCHMARKS.md, 2026-12-03 session 10).
 # Session 8's `tests` ran in session 9: 39 of 40 GPU tests passed, and the online hot-experts test
 # that failed is fixed since. `final` and `benches` are session 8's calls (the MXFP4 streaming and
 # hot-experts benchmarks), kept to re-run.
