@@ -237,7 +237,7 @@ class LLMEngine:
         A failure ends only the requests it can be blamed on, each with finish_reason "error" and
         error_kind "internal", and the engine goes on: a failure to schedule or to run the model
         ends every request of the step (`_fail_step`), a failure to sample only the rows that
-        fail alone (`_sample`), a failure to postprocess only its request. Raises
+        fail alone (`sample_step`), a failure to postprocess only its request. Raises
         EngineFatalError when the engine cannot go on."""
         started = time.perf_counter()
         outputs: list[RequestOutput] = []
@@ -263,7 +263,7 @@ class LLMEngine:
                 return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
             self._ran(forward)
             if self.async_scheduling and can_go_ahead(sched):
-                failed = self._observe_plain(sched, forward)
+                failed = self._observe(sched, {}, forward)  # a plain step: it keeps every query token
                 if failed is not None:
                     return outputs + failed
                 if self._launch(sched, forward):
@@ -288,26 +288,28 @@ class LLMEngine:
         results = sample_step(self.sampler, forward.logits, sched.scheduled, drafts, masks)
         accepted = {s.request.request_id: r.num_accepted for s, r in results if isinstance(r, VerifyResult)}
         self.scheduler.update_after_step(sched, accepted)  # rejected drafts' slots go back here
-        if self.spec is not None and not observed:
-            try:
-                self.spec.observe(sched, accepted, forward.aux)
-            except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
-                return self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
+        if not observed:
+            failed = self._observe(sched, accepted, forward)
+            if failed is not None:
+                return failed
         outputs = self._postprocess(sched, results)
         self._time_step(sched, started if self._results_at is None else self._results_at)
         if self._hot_online is not None:  # between steps: swaps whose copies are done, and re-ranking
             self._hot_online.after_step()
         return outputs
 
-    def _observe_plain(self, sched: SchedulerOutput, forward: ForwardOutput) -> list[RequestOutput] | None:
-        """Before a step without drafts is launched: the proposer catches up on it (what a plain
-        step keeps is known without its tokens: every query token; DSpark copies its rows of the
-        target's hidden states before the next forward overwrites them). None when it did, or
-        when there is no proposer; else the step's requests end with an error (their outputs)."""
+    def _observe(self, sched: SchedulerOutput, accepted: Mapping[str, int], forward: ForwardOutput
+                 ) -> list[RequestOutput] | None:
+        """The proposer catches up on the step (`SpecDecoder.observe`; `accepted`: each verifying
+        request's accepted drafts). A step without drafts is observed before it is launched ahead:
+        what it keeps is known without its tokens (every query token), and DSpark copies its rows
+        of the target's hidden states before the next forward overwrites them. None when it
+        caught up, or there is no proposer; else the step's requests end with an error (their
+        outputs)."""
         if self.spec is None:
             return None
         try:
-            self.spec.observe(sched, {}, forward.aux)
+            self.spec.observe(sched, accepted, forward.aux)
         except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
             return self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
         return None
@@ -357,7 +359,7 @@ class LLMEngine:
             alive = [s.request for s in nxt.scheduled if s.request.status == RequestStatus.RUNNING]
             return outputs + self._fail_step("running the model", e, alive)
         self._ran(forward)
-        failed = self._observe_plain(nxt, forward)
+        failed = self._observe(nxt, {}, forward)
         if failed is not None:
             return self._land(prev) + failed
         launched = self._launch(nxt, forward, prev)
