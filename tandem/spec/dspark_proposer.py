@@ -86,9 +86,8 @@ class DSparkProposer:
         if aux is None:
             raise RuntimeError("the DSpark proposer needs the target runner's aux-layer outputs (aux_layers)")
         w = self.window
-        slots: list[int] = []
-        places: list[int] = []
-        rows: list[int] = []
+        places: list[int] = []  # rows of the ring seen as [slots * W, F]: slot * W + position % W
+        rows: list[int] = []  # their rows of `aux`
         at = 0
         for s, n in zip(batch, kept):
             rid = s.request.request_id
@@ -98,16 +97,15 @@ class DSparkProposer:
             elif win.next_pos != s.start:  # recomputed from another position
                 win.next_pos, win.real = s.start, 0
             first = max(0, n - w)  # rows older than the last W of this step are overwritten anyway
-            for j in range(first, n):
-                slots.append(win.slot)
-                places.append((s.start + j) % w)
-                rows.append(at + j)
+            places.extend(win.slot * w + (s.start + j) % w for j in range(first, n))
+            rows.extend(range(at + first, at + n))
             win.next_pos, win.real = s.start + n, min(win.real + n, w)
             at += s.num_tokens
         if rows:
             assert self._ring is not None
-            index = torch.tensor([slots, places, rows]).to(aux.device, non_blocking=True)
-            self._ring[index[0], index[1]] = aux.index_select(0, index[2]).to(self._ring.dtype)
+            index = torch.tensor([places, rows]).to(aux.device, non_blocking=True)
+            new = aux.index_select(0, index[1]).to(self._ring.dtype)
+            self._ring.view(-1, aux.shape[1]).index_copy_(0, index[0], new)
 
     def _take_slot(self, aux: torch.Tensor) -> int:
         """A free slot of the ring, which doubles (copying what it holds) when none is left."""
@@ -125,10 +123,9 @@ class DSparkProposer:
         W positions from position 0 is padded with position 0's row at the front."""
         assert self._ring is not None
         w = self.window
-        index = [[max(0, win.next_pos - w + j) % w for j in range(w)] for win in wins]
-        slot_t = torch.tensor([win.slot for win in wins]).to(self._ring.device, non_blocking=True)
+        index = [win.slot * w + max(0, win.next_pos - w + j) % w for win in wins for j in range(w)]
         index_t = torch.tensor(index).to(self._ring.device, non_blocking=True)
-        feats = self._ring[slot_t.unsqueeze(1), index_t]
+        feats = self._ring.view(-1, self._ring.shape[2]).index_select(0, index_t).view(len(wins), w, -1)
         return feats if out is None else out.copy_(feats)
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
