@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tandem.core import Request, SamplingParams
-from tandem.engine.runner import _PER_TOKEN, ModelRunner, StaticInputs, _Graph
+from tandem.engine.runner import _PER_TOKEN, ModelRunner, _Graph
 from tandem.engine.scheduler import ScheduledRequest
+from tandem.engine.static_inputs import StaticInputs
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import KVCacheSpec, group_layers
 

@@ -26,6 +26,7 @@ from tandem.engine.output import RequestState, take_token
 from tandem.engine.runner import ForwardOutput, ModelRunner, allocate_kv_caches
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tandem.engine.spec_ahead import SpecAhead, SpecAheadStep
 from tandem.engine.step_sampling import sample_step
 from tandem.engine.structured import StructuredOutputs
 from tandem.engine.validation import check_prompt
@@ -92,8 +93,10 @@ class LLMEngine:
             self.spec.allocate(self.kv.pools[0].num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.model, self.kv, self.device, self.spec.aux_layers if self.spec else ())
+        self._spec_ahead = self._speculative_steps_ahead()
         self._capture_graphs()
-        self._in_flight: InFlightStep | None = None  # async scheduling: the step launched, not landed
+        self._in_flight: InFlightStep | SpecAheadStep | None = None  # async scheduling: launched, not landed
+        self._ahead_failure: tuple[Exception, list[Request]] | None = None  # a step ahead's launch raised
         self.num_async_steps = 0  # steps left in flight at launch
         self.async_scheduling = config.scheduler.async_scheduling  # resolved and logged by its setter
         if self.spec is not None and config.spec.adaptive == "auto":
@@ -129,6 +132,17 @@ class LLMEngine:
                     sc.num_speculative_tokens, detail, sc.adaptive, phase_k)
         return spec
 
+    def _speculative_steps_ahead(self) -> SpecAhead | None:
+        """Speculative steps that go ahead (tandem/engine/spec_ahead.py), when the proposer and the
+        model allow them; why not is logged once."""
+        if self.spec is None:
+            return None
+        why = SpecAhead.unsupported(self.spec, self.kv)
+        if why is not None:
+            logger.info("Speculative steps run synchronously (%s); only steps that draft nothing go ahead", why)
+            return None
+        return SpecAhead(self.runner, self.kv, self.scheduler, self.spec, self.config.scheduler.max_num_seqs)
+
     @property
     def async_scheduling(self) -> bool:
         """Whether plain decode steps go ahead of their predecessors' tokens (tandem/engine/inflight.py).
@@ -149,7 +163,12 @@ class LLMEngine:
             (logger.warning if asked else logger.info)(
                 "Async scheduling off: --hot-experts online needs each step's tokens first")
             return False
-        what = "steps that draft nothing" if self.spec is not None else "plain decode steps"
+        if self.spec is None:
+            what = "plain decode steps"
+        elif self._spec_ahead is not None:
+            what = "decode and greedy speculative steps"
+        else:
+            what = "steps that draft nothing"
         logger.info("Async scheduling: %s",
                     f"on ({what} launch before the last one's tokens are back)" if on else "off")
         return on
@@ -168,9 +187,10 @@ class LLMEngine:
         if self.config.spec.max_k:  # verify of 1..Kmax drafts
             families["verify"] = tuple(range(2, self.config.spec.max_k + 2))
         max_num_seqs = self.config.scheduler.max_num_seqs
-        self.runner.capture(max_num_seqs, families, self.max_model_len)
-        if self.spec is not None:
+        if self.spec is not None:  # first: a step ahead's graphs read the drafter's ring
             self.spec.capture(max_num_seqs, self.max_model_len)
+        ahead = self._spec_ahead if self.config.scheduler.async_scheduling is not False else None
+        self.runner.capture(max_num_seqs, families, self.max_model_len, ahead)
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
@@ -246,6 +266,11 @@ class LLMEngine:
             if self._in_flight is not None:  # the next step went ahead
                 self._update_gauges()
                 return outputs
+        elif self._spec_step_ahead(None):  # a speculative step ahead from a synchronous start
+            self._update_gauges()
+            return outputs
+        elif self._ahead_failure is not None:
+            return self._ahead_failed()
         try:
             drafts = self.spec.propose(self.scheduler.running) if self.spec else {}
             if self.spec is not None:
@@ -261,7 +286,7 @@ class LLMEngine:
                 forward = self.runner.execute(sched.scheduled)
             except Exception as e:  # noqa: BLE001 - one forward pass for all: nothing singles a request out
                 return outputs + self._fail_step("running the model", e, [s.request for s in sched.scheduled])
-            self._ran(forward)
+            self._ran(forward.mode)
             if self.async_scheduling and can_go_ahead(sched):
                 failed = self._observe(sched, {}, forward)  # a plain step: it keeps every query token
                 if failed is not None:
@@ -275,9 +300,10 @@ class LLMEngine:
         self._update_gauges()
         return outputs
 
-    def _ran(self, forward: ForwardOutput) -> None:
+    def _ran(self, mode: str) -> None:
+        """A forward pass ran (`ForwardOutput.mode`: how)."""
         self._failed_steps = 0
-        self.metrics.model_steps.labels(model_name=self.model_name, mode=forward.mode).inc()
+        self.metrics.model_steps.labels(model_name=self.model_name, mode=mode).inc()
 
     def _finish_step(self, sched: SchedulerOutput, forward: ForwardOutput, drafts: Mapping[str, Draft],
                      started: float, observed: bool = False) -> list[RequestOutput]:
@@ -345,8 +371,12 @@ class LLMEngine:
         nothing went ahead; the caller then runs a synchronous step."""
         prev, self._in_flight = self._in_flight, None
         started = time.perf_counter()
+        if isinstance(prev, SpecAheadStep):
+            self._spec_step_ahead(prev)
+            return self._land_spec(prev) + self._ahead_failed()
         if not (self.async_scheduling and self._plain_ahead(prev)):
-            return self._land(prev)
+            self._spec_step_ahead(prev)
+            return self._land(prev) + self._ahead_failed()
         nxt = self.scheduler.schedule_ahead(prev.sched, self.max_model_len)
         if nxt is None:
             return self._land(prev)
@@ -358,7 +388,7 @@ class LLMEngine:
             outputs = self._land(prev)
             alive = [s.request for s in nxt.scheduled if s.request.status == RequestStatus.RUNNING]
             return outputs + self._fail_step("running the model", e, alive)
-        self._ran(forward)
+        self._ran(forward.mode)
         failed = self._observe(nxt, {}, forward)
         if failed is not None:
             return self._land(prev) + failed
@@ -366,6 +396,64 @@ class LLMEngine:
         outputs = self._land(prev)
         if not launched:  # after `prev`'s tokens: a request they stopped is skipped
             outputs += self._finish_step(nxt, forward, {}, started, observed=True)
+        return outputs
+
+    def _spec_step_ahead(self, prev: InFlightStep | SpecAheadStep | None) -> bool:
+        """Launch a speculative step ahead of `prev` (tandem/engine/spec_ahead.py; None: nothing in
+        flight) when one can go, leaving it in `_in_flight`. False when none went: the step in
+        flight lands, and the synchronous step runs next."""
+        ahead = self._spec_ahead
+        if ahead is None or not self.async_scheduling:
+            return False
+        assert self.spec is not None
+        reqs = ahead.eligible(prev)
+        if reqs is None:
+            return False
+        held = False
+        ks = self.spec.take_planned(reqs)  # plan_ahead's choice for the step after a plain one, if it drafts
+        if ks is None:
+            ks = self.spec.choose_ahead(reqs, ahead.in_flight_drafts(reqs, prev))
+            held = ks is None
+            ks = ks or [0] * len(reqs)
+        if not any(ks) and not isinstance(prev, SpecAheadStep):
+            return False  # a plain step: the plain path runs it (after a step ahead, this one must)
+        pendings = self.spec.pending_choices(reqs)
+        try:
+            launched = ahead.launch(reqs, ks, prev, pendings)
+        except Exception as e:  # noqa: BLE001 - as a failed forward in `step`: its requests end
+            self._ahead_failure = (e, reqs)  # after the step in flight lands (`_ahead_failed`)
+            return False
+        if launched is None:
+            return False
+        if not held:
+            self.spec.commit_ahead(reqs, ks)
+        self._count_spec_step()
+        step, mode = launched
+        self._ran(mode)
+        self._in_flight = step
+        self.num_async_steps += 1
+        return True
+
+    def _ahead_failed(self) -> list[RequestOutput]:
+        """The requests of a speculative step ahead whose launch raised end with an error (as a
+        step whose forward failed: `_fail_step`), once the step before it has landed."""
+        failure, self._ahead_failure = self._ahead_failure, None
+        if failure is None:
+            return []
+        error, reqs = failure
+        return self._fail_step("running a speculative step ahead", error,
+                               [r for r in reqs if r.status == RequestStatus.RUNNING])
+
+    def _land_spec(self, step: SpecAheadStep) -> list[RequestOutput]:
+        """A speculative step ahead's tokens (`SpecAhead.land`), appended and checked as a
+        synchronous verify's are; its complete blocks registered; timed when it went ahead of
+        another step."""
+        assert self._spec_ahead is not None
+        succ = self._in_flight if isinstance(self._in_flight, SpecAheadStep) else None
+        sched, results, expected = self._spec_ahead.land(step, succ)
+        outputs = self._postprocess(sched, list(results), expected)
+        self.scheduler.commit(sched)
+        self._time_step(sched, self._results_at if step.chained else None, drafted=step.ks)
         return outputs
 
     def _plain_ahead(self, prev: InFlightStep) -> bool:
@@ -389,7 +477,7 @@ class LLMEngine:
         self._time_step(step.sched, self._results_at if step.chained else None)
         return outputs
 
-    def _time_step(self, sched: SchedulerOutput, since: float | None) -> None:
+    def _time_step(self, sched: SchedulerOutput, since: float | None, drafted: Sequence[int] | None = None) -> None:
         """adaptive auto: the step's measured time (from `since`: the previous step's results,
         `_results_at`, or the call's start after the engine ran dry; None: not timed) refines the
         controller's cost model; predicted and measured go to the stats line and /metrics. Timing
@@ -399,15 +487,16 @@ class LLMEngine:
         if since is None or self.spec is None or self.spec.auto is None:
             return
         seconds = now - since
-        prediction = self.spec.observe_step(sched, seconds)
+        prediction = self.spec.observe_step(sched, seconds, drafted)
         if prediction is not None:
             self.metrics.count_step_time(prediction.predicted, seconds)
             self._window.count_step_time(prediction.predicted, seconds)
 
-    def _postprocess(self, sched: SchedulerOutput,
-                     results: list[tuple[ScheduledRequest, VerifyResult | Exception]]) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, results: list[tuple[ScheduledRequest, VerifyResult | Exception]],
+                     expected: Mapping[str, float | None] | None = None) -> list[RequestOutput]:
         """Append each request's new tokens and build its delta; a request whose sampling failed
-        (and one whose postprocessing raises) ends with an error instead."""
+        (and one whose postprocessing raises) ends with an error instead. `expected`: what auto
+        expected of each draft, when it chose them before the current choice (a step ahead)."""
         now = time.monotonic()
         m = self.metrics
         prompt_tokens = sum(
@@ -426,16 +515,20 @@ class LLMEngine:
                 continue
             try:
                 if s.draft:
-                    self._count_draft(req, len(s.draft), result.num_accepted)
+                    guess = expected.get(req.request_id) if expected is not None else self._expected(req, len(s.draft))
+                    self._count_draft(req, len(s.draft), result.num_accepted, guess)
                 outputs.append(self._append_tokens(req, result.tokens, result.logprobs, now))
             except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request alone
                 outputs.append(self._fail_request(req, "postprocessing", e))
         return outputs
 
-    def _count_draft(self, req: Request, num_draft: int, num_accepted: int) -> None:
+    def _expected(self, req: Request, num_draft: int) -> float | None:
+        assert self.spec is not None
+        return self.spec.expected_accepted(req.request_id, num_draft)
+
+    def _count_draft(self, req: Request, num_draft: int, num_accepted: int, expected: float | None) -> None:
         assert self.spec is not None
         phase = self.spec.phase(req)
-        expected = self.spec.expected_accepted(req.request_id, num_draft)
         self.metrics.count_draft(phase, num_draft, num_accepted, expected)
         self._window.count_draft(phase, num_draft, num_accepted, expected)
 

@@ -281,14 +281,21 @@ class AutoK:
         self._can_cut[key] = (self._step, full - shorter > REFINE_MIN_GAIN * full)
         return self._can_cut[key][1]
 
-    def expected(self, request_id: str, num_draft: int) -> float:
-        """The expected accepted tokens of the request's current draft cut to num_draft."""
-        pending = self._pending.get(request_id)
+    def pending(self, request_id: str) -> _Pending | None:
+        """What the request's current draft was chosen on: a step ahead keeps it until it lands,
+        when the next step's choice has replaced it (`expected` and `observe` take it back)."""
+        return self._pending.get(request_id)
+
+    def expected(self, request_id: str, num_draft: int, pending: _Pending | None = None) -> float:
+        """The expected accepted tokens of the request's current draft (or of the one `pending`
+        was chosen for) cut to num_draft."""
+        pending = pending or self._pending.get(request_id)
         return expected_accepted(pending.rates, num_draft) if pending is not None else 0.0
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        """A verify of the request's draft (num_draft tokens, after any cut) accepted num_accepted."""
-        pending = self._pending.get(request_id)
+    def observe(self, request_id: str, num_draft: int, num_accepted: int, pending: _Pending | None = None) -> None:
+        """A verify of the request's draft (num_draft tokens, after any cut; chosen on `pending`,
+        by default the current choice) accepted num_accepted."""
+        pending = pending or self._pending.get(request_id)
         if pending is None or num_draft <= 0:
             return
         self.stats.observe(request_id, pending.key, num_draft, num_accepted)

@@ -226,6 +226,10 @@ class SpecDecoder:
         the draft and the token after it stay within max_tokens and the context length."""
         return max(0, min(self.config.k_for(self._track(req).tracker.phase), self._room(req)))
 
+    def room(self, req: Request) -> int:
+        """Draft tokens the request may still take: the draft and the token after it must fit."""
+        return self._room(req)
+
     def _room(self, req: Request) -> int:
         """Draft tokens the request may still take: the draft and the token after it must fit."""
         return max(0, min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1)
@@ -258,19 +262,64 @@ class SpecDecoder:
         decode its token in flight). The choice is made now, from the tokens landed so far: a
         phase switch the token in flight makes is seen one step late (K only changes speed, never
         the tokens), and each request's room counts that token. When the policy drafts for some
-        request, the choice waits for the next `propose`, which runs once the tokens have landed."""
+        request, the choice is kept for a speculative step ahead (`take_planned`) or, when none
+        can go, for the next `propose`, which runs once the tokens have landed."""
+        ks = self.choose_ahead(requests, [0] * len(requests))
+        if ks is None:
+            return True
+        if any(ks):
+            self._planned = {r.request_id: k for r, k in zip(requests, ks)}
+            return False
+        self.commit_ahead(requests, ks)
+        return True
+
+    def choose_ahead(self, requests: Sequence[Request], in_flight: Sequence[int]) -> list[int] | None:
+        """The policy's K for each request's step after the one in flight, which verifies
+        in_flight[i] drafts of request i (so may add up to in_flight[i] + 1 tokens: its room
+        counts them). Not recorded until `commit_ahead`. None: auto holds its last all-zero
+        choice (K = 0 for all, already recorded)."""
         tracked = [self._track(r) for r in requests]
         phases = [t.tracker.phase for t in tracked]
         ids = [r.request_id for r in requests]
         if self.auto is not None and self.auto.repeat_zero(ids, phases):
-            return True  # the last choice again: _drafted and chosen_k stand
-        ks = self._choose(ids, requests, phases, [max(0, self._room(r) - 1) for r in requests])
-        if any(ks):
-            self._planned = dict(zip(ids, ks))
-            return False
-        self._drafted = dict.fromkeys(ids, 0)
-        self._record_k(tracked, ids, phases, ks)
-        return True
+            return None  # the last choice again: _drafted and chosen_k stand
+        rooms = [max(0, self._room(r) - 1 - k) for r, k in zip(requests, in_flight)]
+        return self._choose(ids, requests, phases, rooms)
+
+    def commit_ahead(self, requests: Sequence[Request], ks: Sequence[int]) -> None:
+        """Record the K `choose_ahead` gave (or `take_planned` handed back) for a step launched ahead."""
+        tracked = [self._track(r) for r in requests]
+        self._drafted = {r.request_id: k for r, k in zip(requests, ks)}
+        self._record_k(tracked, [r.request_id for r in requests], [t.tracker.phase for t in tracked], ks)
+
+    def take_planned(self, requests: Sequence[Request]) -> list[int] | None:
+        """The drafting choice `plan_ahead` kept, for a speculative step ahead of these requests
+        (None when it was made for others); taken, so the next `propose` chooses afresh."""
+        planned, self._planned = self._planned, None
+        if planned is None or any(r.request_id not in planned for r in requests):
+            return None
+        return [planned[r.request_id] for r in requests]
+
+    @property
+    def can_draft_ahead(self) -> bool:
+        """Whether the proposer drafts on the device from the device's positions (DSpark)."""
+        return hasattr(self.proposer, "draft_from_ring")
+
+    def pending_choices(self, requests: Sequence[Request]) -> list[object | None]:
+        """auto: what each request's K was chosen on (None under the other policies), kept by a
+        step ahead for `observe_ahead` (the next choice replaces it before the step lands)."""
+        return [None if self.auto is None else self.auto.pending(r.request_id) for r in requests]
+
+    def observe_ahead(self, req: Request, start: int, num_draft: int, num_accepted: int,
+                      pending: object | None) -> float | None:
+        """A step ahead landed for the request: its window moves on (the device kept it), and
+        auto learns what the draft got. Returns the accepted tokens auto expected (None: not auto)."""
+        self.proposer.land_ahead(req.request_id, start, 1 + num_accepted)
+        if self.auto is None or num_draft == 0:
+            return None
+        expected = self.auto.expected(req.request_id, num_draft, pending)
+        self.auto.observe(req.request_id, num_draft, num_accepted, pending)
+        return expected
 
     def _choose(self, ids: Sequence[str], reqs: Sequence[Request], phases: Sequence[Phase],
                 rooms: Sequence[int]) -> list[int]:
@@ -340,7 +389,8 @@ class SpecDecoder:
         assert self.auto is not None
         return self.auto.drafts_now(self._track(req).tracker.phase, batch)
 
-    def observe_step(self, sched: SchedulerOutput, seconds: float) -> StepPrediction | None:
+    def observe_step(self, sched: SchedulerOutput, seconds: float, drafted: Sequence[int] | None = None
+                     ) -> StepPrediction | None:
         """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies
         refines the cost model and returns its prediction; one with prefill work (its cost is not
         the model's) returns None: the target's is not learned from, the drafter's (a draft model
@@ -351,7 +401,8 @@ class SpecDecoder:
         if any(s.num_tokens != 1 + len(s.draft) or not s.samples for s in sched.scheduled):
             return None
         ks = [len(s.draft) for s in sched.scheduled]
-        drafted = [self._drafted.get(s.request.request_id, 0) for s in sched.scheduled]
+        if drafted is None:  # `drafted`: the depths a step ahead drafted at (chosen before the last choice)
+            drafted = [self._drafted.get(s.request.request_id, 0) for s in sched.scheduled]
         if prefilled:  # a draft model catching up on tokens it skipped while K was 0
             self.auto.observe_catch_up(ks, drafted, seconds)
             return None

@@ -73,7 +73,8 @@ class DSparkProposer:
         self.aux_layers = drafter.cfg.target_layers
         self.window = drafter.cfg.window
         self._windows: dict[str, _Window] = {}
-        self._ring: torch.Tensor | None = None  # [slots, W, F], grown by doubling
+        self._ring: torch.Tensor | None = None  # [slots, W, F], grown by doubling (until captured)
+        self._ring_fixed = False  # captured graphs read the ring by address: it no longer grows
         self._free: list[int] = []  # slots no request holds
         # Block depths drafted (one graph each): the K values the policy uses; a batch drafts the
         # smallest depth covering its largest K (drafts are prefix-consistent).
@@ -108,14 +109,19 @@ class DSparkProposer:
             self._ring.view(-1, aux.shape[1]).index_copy_(0, index[0], new)
 
     def _take_slot(self, aux: torch.Tensor) -> int:
-        """A free slot of the ring, which doubles (copying what it holds) when none is left."""
+        """A free slot of the ring, which doubles (copying what it holds) when none is left (not
+        once graphs read it: `capture` sizes it for max_num_seqs windows)."""
+        if not self._free and self._ring_fixed:
+            raise RuntimeError(f"the DSpark ring holds {self._ring.shape[0] - 1} windows (max_num_seqs) and every "
+                               "one is in use")
         if not self._free:
             old = 0 if self._ring is None else self._ring.shape[0]
             grown = torch.zeros(max(8, 2 * old), self.window, aux.shape[1], dtype=aux.dtype, device=aux.device)
             if self._ring is not None:
                 grown[:old] = self._ring
             self._ring = grown
-            self._free = list(range(grown.shape[0] - 1, old - 1, -1))
+            # Slot 0 is never handed out: a step ahead writes the rows it rejects there.
+            self._free = list(range(grown.shape[0] - 1, max(old, 1) - 1, -1))
         return self._free.pop()
 
     def _gather(self, wins: Sequence[_Window], out: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,6 +155,50 @@ class DSparkProposer:
             q = probs[j, :k] if probs is not None and sampled[j] else None
             drafts[i] = Draft(tokens_h[j][:k], q, conf[j, :k])
         return drafts
+
+    # -- drafting ahead (tandem/engine/spec_ahead.py): on the device, the host a step behind -----
+    def ready_ahead(self, req: Request) -> bool:
+        """Whether the request's window is in the ring up to its computed tokens, so that it can
+        draft from the device's positions on (`draft_from_ring`) for as long as it goes ahead."""
+        win = self._windows.get(req.request_id)
+        return win is not None and win.usable_at(req.num_computed_tokens, self.window)
+
+    def ring_slots(self, reqs: Sequence[Request]) -> list[int]:
+        return [self._windows[r.request_id].slot for r in reqs]
+
+    def draft_from_ring(self, slots: torch.Tensor, base: torch.Tensor, known: torch.Tensor, depth: int
+                        ) -> torch.Tensor:
+        """Greedy drafts [N, depth], device ops only (a step ahead's graph captures them): request i
+        drafts after token known[i] at position base[i] from the window of positions
+        base[i] - W .. base[i] - 1 in ring slot slots[i] (all [N] device tensors; a window from
+        position 0 is padded as `_gather` pads it)."""
+        assert self._ring is not None
+        n, w = len(slots), self.window
+        span = torch.arange(w, device=base.device)
+        index = slots[:, None] * w + (base[:, None] - w + span).clamp_min(0) % w  # [N, W]
+        feats = self._ring.view(-1, self._ring.shape[2]).index_select(0, index.view(-1)).view(n, w, -1)
+        return self.drafter.draft_block(feats, known, depth)[0]
+
+    def observe_ahead(self, slots: torch.Tensor, base: torch.Tensor, accepted: torch.Tensor, aux: torch.Tensor,
+                      q: int) -> None:
+        """On the device: the rows a step ahead kept go into the ring. aux [N * q, F] holds request
+        i's q query rows from position base[i] on; the first 1 + accepted[i] are kept, the others
+        go to slot 0, which no request holds (q <= W: no two kept rows share a place)."""
+        assert self._ring is not None
+        n, w = len(slots), self.window
+        span = torch.arange(q, device=base.device)
+        places = slots[:, None] * w + (base[:, None] + span) % w  # [N, q]
+        places = torch.where(span <= accepted[:, None], places, span.expand(n, q) % w)
+        self._ring.view(-1, aux.shape[1]).index_copy_(0, places.view(-1), aux[: n * q].to(self._ring.dtype))
+
+    def land_ahead(self, request_id: str, start: int, kept: int) -> None:
+        """The host's record of a window a step ahead extended (`observe_ahead`) by `kept` rows from `start`."""
+        win = self._windows.get(request_id)
+        if win is None:
+            return
+        if win.next_pos != start:  # cannot happen while the steps go ahead in order; stay safe
+            win.real = 0
+        win.next_pos, win.real = start + kept, min(win.real + kept, self.window)
 
     def remove(self, request_id: str) -> None:
         win = self._windows.pop(request_id, None)
@@ -222,6 +272,10 @@ class DSparkProposer:
         self._buckets = batch_buckets(max_num_seqs)
         cfg, dev, top = self.drafter.cfg, self.device, self._buckets[-1]
         dtype = self.drafter.fc.weight.dtype
+        if self._ring is None:  # every window a batch can hold, and slot 0 (see observe_ahead)
+            self._ring = torch.zeros(max_num_seqs + 1, self.window, cfg.feature_size, dtype=dtype, device=dev)
+            self._free = list(range(max_num_seqs, 0, -1))
+        self._ring_fixed = True
         self._feats = torch.zeros(top, cfg.window, cfg.feature_size, dtype=dtype, device=dev)
         self._known = torch.zeros(top, dtype=torch.long, device=dev)
         self._inv_temp = torch.ones(top, device=dev)

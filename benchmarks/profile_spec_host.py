@@ -1,0 +1,77 @@
+"""Where a speculative step's wall time goes on the host: the demo pair at concurrency 1 on the
+bench_auto workload, one configuration per process, under cProfile (engine steps only, after a
+warm-up), with the wall time per step and the device's share measured around it.
+
+    python benchmarks/profile_spec_host.py --device cuda --spec '{"method": "dspark", "num_speculative_tokens": 4}'
+    python benchmarks/profile_spec_host.py --device cuda --spec '...' --async-scheduling off   # the synchronous steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_auto import workload  # noqa: E402
+
+from tandem import LLM, SamplingParams  # noqa: E402
+from tandem.builtin import demo_model_dir  # noqa: E402
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int, int, float]:
+    """(tokens, engine steps, seconds) of the prompts one after another."""
+    eng = llm.engine
+    tokens = steps = 0
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"p{i}-{time.monotonic_ns()}", p, params)
+        while eng.has_unfinished:
+            steps += 1
+            tokens += sum(len(o.new_token_ids) for o in eng.step())
+    return tokens, steps, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--spec", default=None, help="--speculative-config JSON (default: none)")
+    ap.add_argument("--async-scheduling", choices=("on", "off"), default="on")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--torch-profile", type=int, default=0, metavar="N", help="also profile N prompts with torch.profiler")
+    args = ap.parse_args()
+    llm = LLM(str(demo_model_dir()), device=args.device, kv_cache_memory="1GiB", max_num_seqs=16,
+              speculative_config=json.loads(args.spec) if args.spec else None,
+              async_scheduling=args.async_scheduling == "on")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    prompts = workload(args.prompts)
+    run(llm, prompts[:2], params)  # warm-up
+    prof = cProfile.Profile()
+    prof.enable()
+    tokens, steps, seconds = run(llm, prompts, params)
+    prof.disable()
+    print(f"spec {args.spec} async {args.async_scheduling}: {tokens} tokens in {steps} steps, {seconds:.3f} s "
+          f"(under cProfile): {tokens / seconds:.0f} tok/s, {1e3 * seconds / steps:.3f} ms a step; "
+          f"steps ahead {llm.engine.num_async_steps}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    tokens, steps, seconds = run(llm, prompts, params)
+    print(f"without cProfile: {tokens / seconds:.0f} tok/s, {1e3 * seconds / steps:.3f} ms a step")
+    if args.torch_profile:  # the host's torch and CUDA API calls (blocking ones stand out), and the device's kernels
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        with profile(activities=activities) as torch_prof:
+            run(llm, prompts[: args.torch_profile], params)
+        print(torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()

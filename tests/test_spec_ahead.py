@@ -1,0 +1,265 @@
+"""Speculative steps that go ahead (tandem/engine/spec_ahead.py): the device-side pieces against
+their host-side counterparts (the graph inputs shifted on the device vs staged exactly, greedy
+acceptance, DSpark's ring), and the engine with DSpark and async scheduling against the engine
+without speculation, token for token."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.core import Request
+from tandem.engine.runner import ModelRunner
+from tandem.engine.scheduler import ScheduledRequest
+from tandem.engine.spec_ahead import SpecAheadStep, accept_on_device
+from tandem.kv.manager import KVCacheManager
+from tandem.kv.spec import KVCacheSpec, group_layers
+from tandem.spec.dspark_proposer import DSparkProposer
+from tandem.spec.verify import accept_greedy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_spec_drafters import COMMON, DEMO, QUESTIONS  # noqa: E402
+from test_spec_engine import counter  # noqa: E402
+
+BS = 4
+FULL = KVCacheSpec("full", 1, 8, torch.float32)
+FULL2 = KVCacheSpec("full", 2, 8, torch.float32)  # a second group: each has its own block table
+
+
+class _EchoModel:
+    """Stands in for the target: its hidden state is each row's (token, position), its aux rows
+    the token; compute_logits is the identity."""
+
+    def forward_with_aux(self, ids, pos, step, layers):
+        self.seen = (ids.clone(), pos.clone(), step.seq_lens.clone())
+        return torch.stack([ids, pos], dim=1).float(), ids[:, None].float().repeat(1, 3)
+
+    def compute_logits(self, hidden):
+        return hidden
+
+
+class _Hooks:
+    zero_row = 9
+
+    def __init__(self, shift, known, drafts):
+        self.given = (shift, known, drafts)
+
+    def depth(self, q):
+        return q - 1
+
+    def before(self, start, slot, pick, depth):
+        shift, known, drafts = self.given
+        return shift, known, drafts[:, :depth], start + shift
+
+    def after(self, q, logits, aux, drafts, ks, slot, base):
+        self.logits, self.aux = logits, aux
+
+
+def full_runner(max_b: int, max_q: int) -> tuple[ModelRunner, KVCacheManager]:
+    kv = KVCacheManager(group_layers([FULL, FULL2]), 64, BS, True)
+    runner = ModelRunner(model=_EchoModel(), kv=kv, device=torch.device("cpu"), aux_layers=(0,))  # type: ignore[arg-type]
+    runner._allocate_static(max_b, max_q, 16, ahead_rows=_Hooks.zero_row)
+    runner.buckets = (1, 2, 4)
+    return runner, kv
+
+
+def test_a_step_ahead_stages_what_the_exact_step_stages_once_shifted_on_the_device():
+    """What a step ahead's graph runs (`_ahead_body`, on the static inputs): requests staged as if
+    the step in flight accepted nothing, then shifted by what it did accept, reach the target with
+    the positions, lengths and slots of the step staged with the exact starts, and with their
+    known tokens and drafts; pad rows and the padded batch row stay at the sinks."""
+    runner, kv = full_runner(4, 4)
+    bucket, q = 4, 4
+    reqs, starts, shifts, ks = [], [9, 5, 22], [2, 0, 3], [3, 1, 2]
+    for i, (start, shift, k) in enumerate(zip(starts, shifts, ks)):
+        r = Request(f"r{i}", list(range(10, 10 + start)), SamplingParams())
+        r.num_computed_tokens = start - 1
+        assert kv.allocate_slots(r, 1 + 3 + k + 1)  # the step in flight (3 drafts at most), then this one
+        reqs.append(r)
+    known = torch.tensor([71, 72, 73, 0])
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [0, 0, 0]])
+    exact = [ScheduledRequest(r, s + m, 1 + k, True, tuple(d[:k]), input_row=i)
+             for i, (r, s, m, k, d) in enumerate(zip(reqs, starts, shifts, ks, drafts.tolist()))]
+    runner._stage_inputs(exact, bucket, q)
+    want = {name: t.clone() for name, t in (("pos", runner._pos), ("seq", runner._seq),
+                                             ("slots0", runner._slots[0]), ("slots1", runner._slots[1]))}
+    ahead = [ScheduledRequest(r, s, 1 + k, True, (0,) * k, input_row=i) for i, (r, s, k) in enumerate(zip(reqs, starts, ks))]
+    meta = {"ahead/start": starts + [0], "ahead/ks": ks + [0], "ahead/slot": [1, 2, 3, 0], "ahead/pick": [0, 1, 2, 9]}
+    runner._stage_inputs(ahead, bucket, q, meta)
+    assert runner._static.device["ahead/pick"][:4].tolist() == [0, 1, 2, 9]
+    hooks = _Hooks(torch.tensor(shifts + [0]), known, drafts)
+    views = {f: runner._static.device[f"ahead/{f}"][:bucket] for f in ("start", "ks", "slot", "pick")}
+    runner._ahead_body(bucket, q, hooks, views, runner._static_step(bucket, q))
+    for name, got in (("pos", runner._pos), ("slots0", runner._slots[0]), ("slots1", runner._slots[1])):
+        assert got[: bucket * q].tolist() == want[name][: bucket * q].tolist(), name
+    assert runner._seq[:bucket].tolist() == want["seq"][:bucket].tolist()
+    ids, pos, _ = runner.model.seen
+    for i, k in enumerate(ks):
+        assert ids[i * q : i * q + 1 + k].tolist() == [known[i].item()] + drafts[i, :k].tolist()
+    assert pos.tolist() == want["pos"][: bucket * q].tolist()
+    assert hooks.logits.shape == (bucket * q, 2) and hooks.aux.shape == (bucket * q, 3)
+
+
+def test_acceptance_on_the_device_is_accept_greedy_row_by_row():
+    rng = random.Random(0)
+    for q in (1, 2, 4):
+        n, vocab = 6, 5
+        ks = [rng.randint(0, q - 1) for _ in range(n)]
+        logits = torch.randn(n * q, vocab, generator=torch.Generator().manual_seed(q))
+        target = logits.view(n, q, vocab).argmax(-1).tolist()
+        # drafts that follow the target for a while, then not
+        drafts = [[t if rng.random() < 0.7 else (t + 1) % vocab for t in row[: q - 1]] for row in target]
+        accepted, tokens = accept_on_device(logits, torch.tensor(drafts) if q > 1 else None, torch.tensor(ks), q)
+        for i in range(n):
+            want, n_ok = accept_greedy(drafts[i][: ks[i]], target[i][: ks[i] + 1])
+            assert accepted[i].item() == n_ok and tokens[i, : n_ok + 1].tolist() == want
+
+
+class _Cfg:
+    block_size, window, target_layers, vocab_size = 4, 4, (0,), 50
+
+
+class _EchoDrafter:
+    """Drafts the window's rows back: draft j is the first feature of window row W - depth + j, so
+    a test reads which rows the window held."""
+
+    cfg = _Cfg()
+
+    def draft_block(self, feats, known, depth):
+        return feats[:, -depth:, 0].long() + 1000 * known[:, None], None, None
+
+
+def test_the_ring_kept_on_the_device_holds_the_windows_observe_keeps():
+    """A request's rows written by `observe_ahead` (its kept rows at the device's positions, its
+    rejected ones to slot 0) give the windows host-side `observe` would give: `draft_from_ring` reads
+    them back."""
+    host = DSparkProposer(_EchoDrafter(), 3, torch.device("cpu"), generator_for=lambda r: None)
+    dev = DSparkProposer(_EchoDrafter(), 3, torch.device("cpu"), generator_for=lambda r: None)
+    reqs = [Request(f"r{i}", list(range(20)), SamplingParams()) for i in range(2)]
+    prompt = [ScheduledRequest(r, 0, 6 + 3 * i, True) for i, r in enumerate(reqs)]
+    aux = torch.arange(15, dtype=torch.float32)[:, None].repeat(1, 2)  # row value = its index
+    for p in (host, dev):
+        p.observe(prompt, [6, 9], aux)
+    base, q = [6, 9], 4
+    for step, accepted in enumerate(([1, 3], [0, 2], [3, 0])):
+        rows = torch.arange(2 * q, dtype=torch.float32)[:, None].repeat(1, 2) + 100 * (step + 1)
+        ragged = torch.cat([rows[i * q : i * q + q] for i in range(2)])
+        batch = [ScheduledRequest(r, b, q, True, (0,) * (q - 1)) for r, b in zip(reqs, base)]
+        host.observe(batch, [1 + a for a in accepted], ragged)
+        slots = torch.tensor(dev.ring_slots(reqs))
+        dev.observe_ahead(slots, torch.tensor(base), torch.tensor(accepted), rows, q)
+        for r, b, a in zip(reqs, base, accepted):
+            dev.land_ahead(r.request_id, b, 1 + a)
+        base = [b + 1 + a for b, a in zip(base, accepted)]
+        known = torch.tensor([5, 6])
+        got = dev.draft_from_ring(slots, torch.tensor(base), known, 4)
+        windows = host._gather([host._windows[r.request_id] for r in reqs])
+        assert got.tolist() == (windows[:, :, 0].long() + 1000 * known[:, None]).tolist()
+        for r, b in zip(reqs, base):
+            r.num_computed_tokens = b
+            assert dev.ready_ahead(r) and host._windows[r.request_id] == dev._windows[r.request_id]
+
+
+# -- the engine ----------------------------------------------------------------------------------
+G = SamplingParams(max_tokens=120, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference() -> tuple[list[list[int]], list[list[int]]]:
+    from tandem.server.chat_template import ChatTemplate
+
+    llm = LLM(str(DEMO), **COMMON)
+    tok = llm.tokenizer
+    template = ChatTemplate(tok.chat_template, tok.bos_token, tok.eos_token)
+    ids = [tok.encode(template.render([{"role": "user", "content": q}], kwargs={})) for q in QUESTIONS]
+    ids.append(ids[0])  # a prefix-cache hit
+    return ids, [o.token_ids for o in llm.generate(ids, G)]
+
+
+def dspark(policy: dict, **kw) -> LLM:
+    spec = {"method": "dspark", "num_speculative_tokens": 4, **policy}
+    return LLM(str(DEMO), speculative_config=spec, **{**COMMON, "async_scheduling": True, **kw})
+
+
+@pytest.mark.parametrize("policy", [{"adaptive": "off"}, {"adaptive": "phase", "phase_k": {"reasoning": 1,
+                                    "content": 3}}, {"adaptive": "auto"}], ids=["off", "phase", "auto"])
+@pytest.mark.parametrize("max_num_seqs", [2, 8])
+def test_dspark_steps_ahead_give_the_tokens_without_speculation(prompts_and_reference, policy, max_num_seqs):
+    """Every policy, with requests waiting for a seat (2) or all running at once (8), a prefix-cache
+    hit and requests ending on EOS and on max_tokens inside a draft: the tokens are the reference's,
+    most steps went ahead, and nothing is left in the KV cache or the ring."""
+    ids, ref = prompts_and_reference
+    llm = dspark(policy, max_num_seqs=max_num_seqs)
+    eng = llm.engine
+    assert eng._spec_ahead is not None
+    got = [o.token_ids for o in llm.generate(ids, G)]
+    assert got == ref
+    assert counter(eng, "spec_decode_num_drafts") > 20 and counter(eng, "spec_decode_num_accepted_tokens") > 0
+    steps = sum(eng.metrics.model_steps.labels(model_name=eng.model_name, mode=m)._value.get()
+                for m in ("eager", "prefill", "cuda_graph"))
+    assert eng.num_async_steps > steps / 2
+    assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0
+
+
+def test_a_stop_string_a_sampled_request_and_an_abort_while_steps_go_ahead(prompts_and_reference):
+    """A stop string inside an accepted draft cuts where it cuts without speculation; a sampled
+    request makes the steps synchronous while it runs (and its seeded tokens repeat); a request
+    aborted while a step ahead is in flight ends cleanly and the others go on."""
+    ids, ref = prompts_and_reference
+    plain = LLM(str(DEMO), **COMMON)
+    stop = SamplingParams(max_tokens=120, temperature=0.0, stop=["4"])
+    sampled = SamplingParams(max_tokens=40, temperature=0.8, seed=7)
+    want_stop = plain.generate([ids[0]], stop)[0]
+    # Rejection sampling draws other tokens than plain sampling (the same distribution): the
+    # reference is the same speculative engine stepping synchronously.
+    want_sampled = dspark({"adaptive": "off"}, async_scheduling=False).generate([ids[2], ids[1]], [G, sampled])
+    llm = dspark({"adaptive": "off"})
+    got_stop = llm.generate([ids[0]], stop)[0]
+    assert (got_stop.token_ids, got_stop.text) == (want_stop.token_ids, want_stop.text)
+    outs = llm.generate([ids[2], ids[1]], [G, sampled])
+    assert outs[0].token_ids == ref[2] == want_sampled[0].token_ids and outs[1].token_ids == want_sampled[1].token_ids
+    eng = llm.engine
+    eng.add_request("a", ids[3], G)
+    eng.add_request("b", ids[4], G)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    for _ in range(6):
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert isinstance(eng._in_flight, SpecAheadStep)  # a speculative step ahead is in flight
+    assert eng.abort("a") is not None
+    while eng.has_unfinished:
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert got["b"] == ref[4] and got["a"] == ref[3][: len(got["a"])]
+    assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", [{"adaptive": "off"}, {"adaptive": "auto"}], ids=["off", "auto"])
+def test_on_cuda_graph_steps_ahead_replay_one_graph_and_give_the_synchronous_tokens(prompts_and_reference, policy):
+    """On CUDA (bf16, graphs captured): each step ahead is one graph replay (the inputs shifted,
+    DSpark drafting from its ring, the verify, the acceptance: nothing eager after start-up), and
+    with `off` the tokens are those of the same engine stepping synchronously, but for the last
+    2 * Kmax + 2 of each request: there a step ahead may verify fewer drafts (it leaves room for
+    the largest outcome of the step in flight), a graph of another shape, whose bf16 logits may
+    differ."""
+    from test_gpu import _count
+
+    ids, _ = prompts_and_reference
+    cuda = {"device": "cuda", "kv_cache_memory": "512MiB", "max_num_seqs": 4}
+    llm = dspark(policy, **cuda)
+    eng = llm.engine
+    assert eng._spec_ahead is not None and eng.runner.ahead_graphs
+    got = [o.token_ids for o in llm.generate(ids, G)]
+    assert _count(llm, "model_steps", "eager") == 0 and _count(llm, "spec_decode_drafter_steps", "eager") == 0
+    assert eng.num_async_steps > 0.5 * _count(llm, "model_steps", "cuda_graph")
+    assert counter(eng, "spec_decode_num_accepted_tokens") > 0
+    assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0
+    if policy["adaptive"] == "off":
+        want = [o.token_ids for o in dspark(policy, async_scheduling=False, **cuda).generate(ids, G)]
+        tail = 2 * 4 + 2
+        assert [g[: len(w) - tail] for g, w in zip(got, want)] == [w[:-tail] for w in want]
