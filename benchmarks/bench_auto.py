@@ -116,13 +116,17 @@ class StepClock:
         self.seconds: dict[str, float] = {}
         self.steps: dict[str, int] = {}
         eng = llm.engine
-        execute, step = eng.runner.execute, eng.step
+        execute, execute_ahead, step = eng.runner.execute, eng.runner.execute_ahead, eng.step
         mode = ["none"]
 
         def traced_execute(batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - execute's own
             out = execute(batch, *args, **kwargs)
             mode[0] = out.mode
             return out
+
+        def traced_ahead(batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a speculative step ahead
+            mode[0] = execute_ahead(batch, *args, **kwargs) + " ahead"
+            return mode[0][: -len(" ahead")]
 
         def timed_step():  # noqa: ANN202
             mode[0] = "none"
@@ -133,7 +137,7 @@ class StepClock:
                 self.seconds[mode[0]] = self.seconds.get(mode[0], 0.0) + time.perf_counter() - start
                 self.steps[mode[0]] = self.steps.get(mode[0], 0) + 1
 
-        eng.runner.execute, eng.step = traced_execute, timed_step
+        eng.runner.execute, eng.runner.execute_ahead, eng.step = traced_execute, traced_ahead, timed_step
 
     def take(self, total_seconds: float) -> dict[str, Any]:
         """Per kind: steps and seconds; "between steps": the rest of `total_seconds`."""
@@ -312,8 +316,10 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=1))
     if args.traces:
         k = args.kmax
+        # Synchronous steps: the traces are read from each propose and observe (the drafts and
+        # acceptance are those of the steps ahead).
         llm = LLM(str(demo_model_dir()), device=args.device, max_num_seqs=1, kv_cache_memory="1GiB",
-                  speculative_config={"method": "dspark", "num_speculative_tokens": k})
+                  speculative_config={"method": "dspark", "num_speculative_tokens": k}, async_scheduling=False)
         rows = record_traces(llm, prompts, args.max_tokens)
         Path(args.traces).write_text(json.dumps({"method": "dspark", "kmax": k, "rows": rows}))
         print(f"recorded {len(rows)} verifies of {len(prompts)} requests to {args.traces}")

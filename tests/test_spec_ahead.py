@@ -250,7 +250,7 @@ def test_on_cuda_graph_steps_ahead_replay_one_graph_and_give_the_synchronous_tok
     from test_gpu import _count
 
     ids, _ = prompts_and_reference
-    cuda = {"device": "cuda", "kv_cache_memory": "512MiB", "max_num_seqs": 4}
+    cuda = {"device": "cuda", "dtype": "bfloat16", "kv_cache_memory": "512MiB", "max_num_seqs": 4}
     llm = dspark(policy, **cuda)
     eng = llm.engine
     assert eng._spec_ahead is not None and eng.runner.ahead_graphs

@@ -303,7 +303,7 @@ class LLMEngine:
     def _ran(self, mode: str) -> None:
         """A forward pass ran (`ForwardOutput.mode`: how)."""
         self._failed_steps = 0
-        self.metrics.model_steps.labels(model_name=self.model_name, mode=mode).inc()
+        self.metrics.child(self.metrics.model_steps, model_name=self.model_name, mode=mode).inc()
 
     def _finish_step(self, sched: SchedulerOutput, forward: ForwardOutput, drafts: Mapping[str, Draft],
                      started: float, observed: bool = False) -> list[RequestOutput]:
@@ -540,7 +540,7 @@ class LLMEngine:
             self._window.count_k(phase, k, n)
         for mode, n in self.spec.take_drafter_forwards().items():
             if n:
-                self.metrics.drafter_steps.labels(model_name=self.model_name, mode=mode).inc(n)
+                self.metrics.child(self.metrics.drafter_steps, model_name=self.model_name, mode=mode).inc(n)
 
     def _append_tokens(self, req: Request, tokens: list[int], lps: list[TokenLogprobs] | None,
                        now: float) -> RequestOutput:

@@ -68,9 +68,19 @@ class EngineMetrics:
         self.model_name = model_name
         self._step_children: tuple | None = None
         self._predicted_children: dict[str, Counter] = {}
+        self._children: dict[tuple, object] = {}  # see child
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
-        return metric.labels(model_name=self.model_name)
+        return self.child(metric, model_name=self.model_name)
+
+    def child(self, metric, **labels: str):  # noqa: ANN001, ANN201 - prometheus types
+        """metric.labels(**labels), looked up once: a step counts a dozen labelled children, and
+        each prometheus_client lookup costs microseconds of host time a small GPU step notices."""
+        key = (id(metric), *labels.values())
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(**labels)
+        return found
 
     def count_draft(self, phase: str, num_draft: int, num_accepted: int, expected: float | None = None) -> None:
         """One verified draft of `num_draft` tokens whose first `num_accepted` were accepted
@@ -81,15 +91,15 @@ class EngineMetrics:
             if child is None:
                 child = self._predicted_children[phase] = self.spec_predicted_accepted.labels(**labels)
             child.inc(expected)
-        self.spec_drafts.labels(**labels).inc()
-        self.spec_draft_tokens.labels(**labels).inc(num_draft)
-        self.spec_accepted_tokens.labels(**labels).inc(num_accepted)
+        self.child(self.spec_drafts, **labels).inc()
+        self.child(self.spec_draft_tokens, **labels).inc(num_draft)
+        self.child(self.spec_accepted_tokens, **labels).inc(num_accepted)
         for pos in range(num_accepted):
-            self.spec_accepted_per_pos.labels(**labels, position=str(pos)).inc()
+            self.child(self.spec_accepted_per_pos, **labels, position=str(pos)).inc()
 
     def count_k(self, phase: str, k: int, n: int = 1) -> None:
         """n request-steps that chose draft depth `k` (0: no draft) in `phase`."""
-        self.spec_k.labels(model_name=self.model_name, phase=phase, k=str(k)).inc(n)
+        self.child(self.spec_k, model_name=self.model_name, phase=phase, k=str(k)).inc(n)
 
     def count_step_time(self, predicted: float, measured: float) -> None:
         """One step whose time the K controller predicted (every step under adaptive auto: the
