@@ -25,16 +25,34 @@ from tandem import LLM, SamplingParams  # noqa: E402
 from tandem.builtin import demo_model_dir  # noqa: E402
 
 
+KINDS: dict[str, list[float]] = {}  # engine steps by kind: [count, seconds] (see run)
+
+
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int, int, float]:
-    """(tokens, engine steps, seconds) of the prompts one after another."""
+    """(tokens, engine steps, seconds) of the prompts one after another; each step's seconds go
+    to KINDS by whether it ran a prefill forward ("prefill") or not ("decode")."""
     eng = llm.engine
     tokens = steps = 0
+    execute, prefilled = eng.runner.execute, [False]
+
+    def traced(batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = execute(batch, *args, **kwargs)
+        prefilled[0] |= out.mode == "prefill"
+        return out
+
+    eng.runner.execute = traced
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         eng.add_request(f"p{i}-{time.monotonic_ns()}", p, params)
         while eng.has_unfinished:
             steps += 1
+            prefilled[0] = False
+            at = time.perf_counter()
             tokens += sum(len(o.new_token_ids) for o in eng.step())
+            kind = KINDS.setdefault("prefill" if prefilled[0] else "decode", [0, 0.0])
+            kind[0] += 1
+            kind[1] += time.perf_counter() - at
+    eng.runner.execute = execute
     return tokens, steps, time.perf_counter() - start
 
 
@@ -63,8 +81,10 @@ def main() -> None:
           f"steps ahead {llm.engine.num_async_steps}")
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
     pstats.Stats(prof).sort_stats("cumulative").print_stats("tandem", args.top)  # Tandem's own, inclusive
+    KINDS.clear()
     tokens, steps, seconds = run(llm, prompts, params)
-    print(f"without cProfile: {tokens / seconds:.0f} tok/s, {1e3 * seconds / steps:.3f} ms a step")
+    by_kind = ", ".join(f"{k} {n} steps {1e3 * t / n:.2f} ms each" for k, (n, t) in sorted(KINDS.items()))
+    print(f"without cProfile: {tokens / seconds:.0f} tok/s, {1e3 * seconds / steps:.3f} ms a step ({by_kind})")
     if args.torch_profile:  # the host's torch and CUDA API calls (blocking ones stand out), and the device's kernels
         from torch.profiler import ProfilerActivity, profile
 

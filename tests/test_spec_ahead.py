@@ -263,3 +263,16 @@ def test_on_cuda_graph_steps_ahead_replay_one_graph_and_give_the_synchronous_tok
         want = [o.token_ids for o in dspark(policy, async_scheduling=False, **cuda).generate(ids, G)]
         tail = 2 * 4 + 2
         assert [g[: len(w) - tail] for g, w in zip(got, want)] == [w[:-tail] for w in want]
+
+
+def test_steps_ahead_with_a_cache_too_small_for_every_request_preempt_and_recompute(prompts_and_reference):
+    """With KV blocks for about two of the requests at once, a step ahead whose slots do not fit
+    launches nothing (what it took goes back) and the synchronous step preempts: the tokens are
+    still the reference's and nothing is left behind."""
+    ids, ref = prompts_and_reference
+    llm = dspark({"adaptive": "off"}, kv_cache_memory="3MiB", max_model_len=256, max_num_seqs=6)
+    eng = llm.engine
+    got = [o.token_ids for o in llm.generate(ids, G)]
+    assert got == ref
+    assert eng.scheduler.num_preemptions > 0 and eng.num_async_steps > 0
+    assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0

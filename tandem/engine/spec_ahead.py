@@ -191,9 +191,11 @@ class SpecAhead:
         # The first query position as if `prev` accepted nothing: a step ahead's requests did not
         # advance at its launch (they advance when it lands); a plain step's did.
         starts = [r.num_computed_tokens + (1 if isinstance(prev, SpecAheadStep) else 0) for r in reqs]
-        for req, start, b, k in zip(reqs, starts, behind, ks):
+        for i, (req, start, b, k) in enumerate(zip(reqs, starts, behind, ks)):
             # Through position start + b + k: the step in flight's largest outcome, then this query.
             if not self.kv.allocate_slots(req, start + b + k + 1 - req.num_computed_tokens):
+                for done, d in zip(reqs[:i], behind):  # give back what this launch took: the in flight step's stays
+                    self.kv.trim(done, done.num_computed_tokens + (d + 1 if isinstance(prev, SpecAheadStep) else 0))
                 return None
         n = len(reqs)
         if isinstance(prev, SpecAheadStep):
