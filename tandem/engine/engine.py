@@ -19,6 +19,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.core import ErrorKind, ParamError, Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from tandem.engine import startup
+from tandem.engine.ahead_steps import AheadSteps
 from tandem.engine.errors import MAX_FAILED_STEPS, EngineFatalError, brief, raise_if_fatal
 from tandem.engine.inflight import InFlightStep, can_go_ahead
 from tandem.engine.metrics import EngineMetrics, StatsWindow
@@ -43,7 +44,7 @@ logger = logging.getLogger("tandem")
 GiB = 1024**3
 
 
-class LLMEngine:
+class LLMEngine(AheadSteps):
     def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         """Load the checkpoint at config.model.model. `model`, if given, is used instead of the
         checkpoint's weights (benchmarks on random weights); the directory still supplies
@@ -152,7 +153,8 @@ class LLMEngine:
     @async_scheduling.setter
     def async_scheduling(self, asked: bool | None) -> None:
         """--async-scheduling, by default on for CUDA; never with online hot experts (their swaps
-        land between steps). With speculation only the steps that draft nothing go ahead."""
+        land between steps). With speculation the steps that draft nothing go ahead, and DSpark's
+        greedy verify steps (`_spec_step_ahead`)."""
         self._async = self._async_scheduling_allowed(asked)
         if self.spec is not None and self.spec.auto is not None:
             self.spec.auto.cost.plain_overlaps = self._async
@@ -252,7 +254,8 @@ class LLMEngine:
 
         With async scheduling a step whose requests sample plainly is left in flight once
         launched (`_launch`); the next call launches the step after it before landing its tokens
-        (`_step_ahead`), so each call returns the previous launch's deltas.
+        (`_step_ahead`), so each call returns the previous launch's deltas. A DSpark verify step of
+        greedy decodes goes ahead the same way (`_spec_step_ahead`, tandem/engine/spec_ahead.py).
 
         A failure ends only the requests it can be blamed on, each with finish_reason "error" and
         error_kind "internal", and the engine goes on: a failure to schedule or to run the model
@@ -339,143 +342,6 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - the drafter's state is unknown: its requests end
             return self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
         return None
-
-    # -- async scheduling (tandem/engine/inflight.py) -------------------------------------------
-    def _launch(self, sched: SchedulerOutput, forward: ForwardOutput, prev: InFlightStep | None = None) -> bool:
-        """Sample the step on the device and leave it in flight: its tokens land in the next call
-        (`prev`: the step in flight it was scheduled ahead of, whose tokens it counts as pending).
-        False when sampling raised (the caller samples the step synchronously, row by row)."""
-        sampling = [s for s in sched.scheduled if s.samples]  # forward.logits: one row each
-        pending = None if prev is None else [None if s.input_row is None else prev.tokens[s.input_row]
-                                             for s in sampling]
-        reqs = [s.request for s in sampling]
-        try:
-            tokens = self.sampler.sample(forward.logits, reqs, pending)
-            logprobs = self.sampler.logprobs_on_device(forward.logits, reqs, tokens)
-        except Exception as e:  # noqa: BLE001 - `sample_step` retries and blames the rows
-            raise_if_fatal("sampling", e)
-            self.sampler.rollback()
-            return False
-        self.scheduler.advance(sched)
-        # Registered now, not when the tokens land: the next step's slots (planned before then)
-        # may give back a sliding window's blocks, which must carry their hashes when they go. A
-        # later step that hits them runs after this one on the device.
-        self.scheduler.commit(sched)
-        self._in_flight = InFlightStep.launch(sched, tokens, logprobs, chained=prev is not None)
-        self.num_async_steps += 1
-        return True
-
-    def _step_ahead(self) -> list[RequestOutput]:
-        """With a step in flight: launch the step after it when that can be planned now
-        (`Scheduler.schedule_ahead`), then land the one in flight. `_in_flight` is left None when
-        nothing went ahead; the caller then runs a synchronous step."""
-        prev, self._in_flight = self._in_flight, None
-        started = time.perf_counter()
-        if isinstance(prev, SpecAheadStep):
-            self._spec_step_ahead(prev)
-            return self._land_spec(prev) + self._ahead_failed()
-        if not (self.async_scheduling and self._plain_ahead(prev)):
-            self._spec_step_ahead(prev)
-            return self._land(prev) + self._ahead_failed()
-        nxt = self.scheduler.schedule_ahead(prev.sched, self.max_model_len)
-        if nxt is None:
-            return self._land(prev)
-        if self.spec is not None:
-            self._count_spec_step()  # the K = 0 plan_ahead chose
-        try:
-            forward = self.runner.execute(nxt.scheduled, pending=prev.tokens)
-        except Exception as e:  # noqa: BLE001 - as in `step`
-            outputs = self._land(prev)
-            alive = [s.request for s in nxt.scheduled if s.request.status == RequestStatus.RUNNING]
-            return outputs + self._fail_step("running the model", e, alive)
-        self._ran(forward.mode)
-        failed = self._observe(nxt, {}, forward)
-        if failed is not None:
-            return self._land(prev) + failed
-        launched = self._launch(nxt, forward, prev)
-        outputs = self._land(prev)
-        if not launched:  # after `prev`'s tokens: a request they stopped is skipped
-            outputs += self._finish_step(nxt, forward, {}, started, observed=True)
-        return outputs
-
-    def _spec_step_ahead(self, prev: InFlightStep | SpecAheadStep | None) -> bool:
-        """Launch a speculative step ahead of `prev` (tandem/engine/spec_ahead.py; None: nothing in
-        flight) when one can go, leaving it in `_in_flight`. False when none went: the step in
-        flight lands, and the synchronous step runs next."""
-        ahead = self._spec_ahead
-        if ahead is None or not self.async_scheduling:
-            return False
-        assert self.spec is not None
-        reqs = ahead.eligible(prev)
-        if reqs is None:
-            return False
-        held = False
-        ks = self.spec.take_planned(reqs)  # plan_ahead's choice for the step after a plain one, if it drafts
-        if ks is None:
-            ks = self.spec.choose_ahead(reqs, ahead.in_flight_drafts(reqs, prev))
-            held = ks is None
-            ks = ks or [0] * len(reqs)
-        if not any(ks) and not isinstance(prev, SpecAheadStep):
-            return False  # a plain step: the plain path runs it (after a step ahead, this one must)
-        pendings = self.spec.pending_choices(reqs)
-        try:
-            launched = ahead.launch(reqs, ks, prev, pendings)
-        except Exception as e:  # noqa: BLE001 - as a failed forward in `step`: its requests end
-            self._ahead_failure = (e, reqs)  # after the step in flight lands (`_ahead_failed`)
-            return False
-        if launched is None:
-            return False
-        if not held:
-            self.spec.commit_ahead(reqs, ks)
-        self._count_spec_step()
-        step, mode = launched
-        self._ran(mode)
-        self._in_flight = step
-        self.num_async_steps += 1
-        return True
-
-    def _ahead_failed(self) -> list[RequestOutput]:
-        """The requests of a speculative step ahead whose launch raised end with an error (as a
-        step whose forward failed: `_fail_step`), once the step before it has landed."""
-        failure, self._ahead_failure = self._ahead_failure, None
-        if failure is None:
-            return []
-        error, reqs = failure
-        return self._fail_step("running a speculative step ahead", error,
-                               [r for r in reqs if r.status == RequestStatus.RUNNING])
-
-    def _land_spec(self, step: SpecAheadStep) -> list[RequestOutput]:
-        """A speculative step ahead's tokens (`SpecAhead.land`), appended and checked as a
-        synchronous verify's are; its complete blocks registered; timed when it went ahead of
-        another step."""
-        assert self._spec_ahead is not None
-        succ = self._in_flight if isinstance(self._in_flight, SpecAheadStep) else None
-        sched, results, expected = self._spec_ahead.land(step, succ)
-        outputs = self._postprocess(sched, list(results), expected)
-        self.scheduler.commit(sched)
-        self._time_step(sched, self._results_at if step.chained else None, drafted=step.ks)
-        return outputs
-
-    def _plain_ahead(self, prev: InFlightStep) -> bool:
-        """With speculation: whether the K policy drafts nothing for the requests decoding after
-        `prev` (`SpecDecoder.plan_ahead`), so the step after it can go ahead. Without: True."""
-        if self.spec is None:
-            return True
-        decoding = [s.request for s in prev.sched.scheduled if s.samples and s.request.status == RequestStatus.RUNNING]
-        return self.spec.plan_ahead(decoding)
-
-    def _land(self, step: InFlightStep) -> list[RequestOutput]:
-        """The in-flight step's tokens: appended and checked (`_postprocess`; a request stopped or
-        aborted meanwhile is skipped), then the blocks they complete are registered (written by
-        the step launched after, if any; the step's own were registered at launch)."""
-        outputs = self._postprocess(step.sched, step.results())
-        self.scheduler.commit(step.sched)
-        # Timed only when it went ahead of another step: in a run of steps ahead each adds what
-        # one step costs with its host work overlapped. The first of a run also carries the
-        # call that launched it, which overlapped nothing (and one landing after the engine ran
-        # dry, the time it sat idle).
-        self._time_step(step.sched, self._results_at if step.chained else None)
-        return outputs
 
     def _time_step(self, sched: SchedulerOutput, since: float | None, drafted: Sequence[int] | None = None) -> None:
         """adaptive auto: the step's measured time (from `since`: the previous step's results,

@@ -16,7 +16,10 @@ With async scheduling a step the policy drafts nothing for is a plain decode ste
 of the step in flight like any other (`tandem/engine/inflight.py`): `plan_ahead` makes the
 policy's choice for it before the tokens in flight land. So under `auto`, K = 0 is what a plain
 step costs with its host work overlapped, and the controller learns that cost online like any
-other (`StepCost.plain_overlaps`).
+other (`StepCost.plain_overlaps`). With DSpark, verify steps go ahead too
+(tandem/engine/spec_ahead.py): `choose_ahead` picks their K one step behind (the room leaves space
+for the step in flight), `commit_ahead` records it, and `observe_ahead` tells the controller what
+each draft got when the step lands, with what the draft was chosen on (`pending_choices`).
 
 Phase trackers are fed the tokens a request kept, lazily: each call catches a tracker up with the
 request's output tokens since the last call. Draft tokens are never part of a request's tokens
