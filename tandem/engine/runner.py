@@ -31,7 +31,7 @@ import torch
 
 from tandem.core import GroupState, StepMetadata
 from tandem.engine.scheduler import ScheduledRequest
-from tandem.engine.static_inputs import StaticInputs
+from tandem.engine.static_inputs import StaticInputs, host_to_device
 from tandem.kv.groups import entry_slots, token_slots
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.tensors import LayerCache, allocate_layer_caches
@@ -160,7 +160,7 @@ class ModelRunner:
         input_ids, positions, query_start, seq_lens, logits_indices, slots, tables = host
 
         def dev(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+            return host_to_device(x, dtype, self.device)
 
         block_tables = []
         for g in range(len(tables)):
@@ -201,7 +201,7 @@ class ModelRunner:
         if dst == src == list(range(n)):  # the steady state: the same requests in the same order, q = 1
             ids[:n].copy_(pending[:n])
         else:
-            index = torch.tensor([dst, src], dtype=torch.int64).to(self.device, non_blocking=True)
+            index = host_to_device([dst, src], torch.int64, self.device)
             ids.index_copy_(0, index[0], pending.index_select(0, index[1]))
 
     def _state_tensors(self, batch: list[ScheduledRequest], states: tuple[GroupState | None, ...],
@@ -472,11 +472,11 @@ class ModelRunner:
             return ForwardOutput(entry.logits[: n * q], "cuda_graph", aux)
         # Request i needs the last num_logits of its real rows i*q .. i*q+num_tokens-1.
         rows = [i * q + s.num_tokens - s.num_logits + j for i, s in enumerate(batch) for j in range(s.num_logits)]
-        logits = entry.logits[torch.tensor(rows, device=self.device)]
+        logits = entry.logits[host_to_device(rows, torch.int64, self.device)]
         aux = None
         if entry.aux is not None:  # every real row
             real = [i * q + j for i, s in enumerate(batch) for j in range(s.num_tokens)]
-            aux = entry.aux[torch.tensor(real, device=self.device)]
+            aux = entry.aux[host_to_device(real, torch.int64, self.device)]
         return ForwardOutput(logits, "cuda_graph", aux)
 
     # -- speculative steps ahead (tandem/engine/spec_ahead.py) ---------------------------------
@@ -553,7 +553,7 @@ class ModelRunner:
         the drafts are read to the host (a device sync) and the exact batch is run by `execute`,
         its ragged rows scattered into the padded layout."""
         n = len(batch)
-        dev = {f: torch.tensor(meta[f], dtype=torch.int64).to(self.device) for f in AHEAD_FIELDS}
+        dev = {f: host_to_device(meta[f], torch.int64, self.device) for f in AHEAD_FIELDS}
         shift, known, drafts, base = hooks.before(dev["start"], dev["slot"], dev["pick"], hooks.depth(q))
         moved = shift.tolist()
         proposed = drafts.tolist() if drafts is not None else [[]] * n

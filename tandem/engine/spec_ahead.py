@@ -44,6 +44,7 @@ from tandem.core import Request, RequestStatus
 from tandem.engine.inflight import InFlightStep
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tandem.engine.static_inputs import host_to_device
 from tandem.kv.manager import KVCacheManager
 from tandem.spec.controller import SpecDecoder
 from tandem.spec.verify import VerifyResult, is_plain_greedy
@@ -207,7 +208,7 @@ class SpecAhead:
                 last = prev.tokens
             else:
                 picks = list(range(n))
-                last = torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.int64).to(self.device)
+                last = host_to_device([r.all_token_ids[-1] for r in reqs], torch.int64, self.device)
             self.results[: len(last), 0].zero_()
             self.results[: len(last), 1].copy_(last)
         meta = {"start": starts, "ks": list(ks), "slot": self.proposer.ring_slots(reqs), "pick": picks}

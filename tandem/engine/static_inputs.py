@@ -6,6 +6,14 @@ import numpy as np
 import torch
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On CUDA it is staged in pinned memory, so the copy
+    is queued behind the work already in the stream and the host goes on: a copy from pageable
+    memory may make the host wait for that work (what a step launched ahead must not do)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 class StaticInputs:
     """The inputs CUDA graphs read by address, staged through host memory (pinned on CUDA) so a
     replay uploads them in a few asynchronous copies instead of one per tensor.

@@ -31,6 +31,7 @@ import torch
 from tandem.core import Request
 from tandem.engine.runner import batch_buckets, seconds_per_call
 from tandem.engine.scheduler import ScheduledRequest
+from tandem.engine.static_inputs import host_to_device
 from tandem.spec.dspark import DSparkDrafter
 from tandem.spec.proposer import Draft
 
@@ -104,7 +105,7 @@ class DSparkProposer:
             at += s.num_tokens
         if rows:
             assert self._ring is not None
-            index = torch.tensor([places, rows]).to(aux.device, non_blocking=True)
+            index = host_to_device([places, rows], torch.int64, aux.device)  # queued behind the forward
             new = aux.index_select(0, index[1]).to(self._ring.dtype)
             self._ring.view(-1, aux.shape[1]).index_copy_(0, index[0], new)
 
@@ -130,7 +131,7 @@ class DSparkProposer:
         assert self._ring is not None
         w = self.window
         index = [win.slot * w + max(0, win.next_pos - w + j) % w for win in wins for j in range(w)]
-        index_t = torch.tensor(index).to(self._ring.device, non_blocking=True)
+        index_t = host_to_device(index, torch.int64, self._ring.device)
         feats = self._ring.view(-1, self._ring.shape[2]).index_select(0, index_t).view(len(wins), w, -1)
         return feats if out is None else out.copy_(feats)
 
@@ -231,7 +232,7 @@ class DSparkProposer:
         graph = self._graphs.get((bucket, depth, any_sampled)) if bucket is not None else None
         self.count_forward("cuda_graph" if graph is not None else "eager")
         if graph is None:
-            feats, known_t = self._gather(windows), torch.tensor(known, device=self.device)
+            feats, known_t = self._gather(windows), host_to_device(known, torch.int64, self.device)
             if not any_sampled:
                 return self.drafter.draft_block(feats, known_t, depth)
             inv_temp = torch.empty(n, device=self.device)
@@ -239,7 +240,7 @@ class DSparkProposer:
             self._noise(reqs, sampled, inv_temp, gumbel)
             return self.drafter.draft_block(feats, known_t, depth, inv_temp, gumbel)
         self._gather(windows, out=self._feats[:n])  # into the graph's input
-        self._known[:n].copy_(torch.tensor(known), non_blocking=True)
+        self._known[:n].copy_(host_to_device(known, torch.int64, self.device))
         if any_sampled:  # drawn straight into the graph's inputs
             self._noise(reqs, sampled, self._inv_temp[:n], self._gumbel[:n, :depth])
         graph.graph.replay()
