@@ -328,16 +328,19 @@ def test_serve_flag_maps_to_the_engine_config(model_dir):
     assert not build_configs(args, str(model_dir))[0].spec.enabled
 
 
-def test_tandem_serve_with_ngram_speculation_end_to_end():
-    """A real `tandem serve --speculative-config`: streamed and non-streamed greedy answers agree,
-    usage counts the streamed tokens, and the spec_decode counters in /metrics move."""
+@pytest.mark.parametrize("spec, extra", [({"method": "ngram", "num_speculative_tokens": 3}, ()),
+                                         ({"method": "dspark", "num_speculative_tokens": 3}, ("--async-scheduling",))],
+                         ids=["ngram", "dspark-steps-ahead"])
+def test_tandem_serve_with_speculation_end_to_end(spec, extra):
+    """A real `tandem serve --speculative-config` (n-gram with synchronous steps; DSpark with its
+    verify steps going ahead): streamed and non-streamed greedy answers agree, usage counts the
+    streamed tokens, and the spec_decode counters in /metrics move."""
     import httpx
 
     from serve_proc import start_serve
 
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
     proc, url = start_serve("tandem-demo", "--device", "cpu", "--kv-cache-memory", "256MiB",
-                            "--speculative-config", spec)
+                            "--speculative-config", json.dumps(spec), *extra)
     try:
         body = {"model": "tandem-demo", "max_tokens": 120, "temperature": 0,
                 "messages": [{"role": "user", "content": "Sort these numbers: 41, 7, 93, 18, 66, 25"}]}
