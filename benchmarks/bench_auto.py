@@ -78,8 +78,10 @@ def counters(llm: LLM) -> dict[tuple, float]:
 
 
 class StageClock:
-    """Seconds spent in the engine's speculative stage (propose, observe, the step timing), by
-    wrapping those methods of one engine: the host work a K policy adds per step."""
+    """Seconds spent in the engine's speculative stage (propose, observe, the step timing, and for
+    speculative steps ahead the K choice, the landing's observe and the graph inputs' staging),
+    by wrapping those methods of one engine: the host work a K policy adds per step. Nested
+    stages count in both (plan_ahead includes its choose_ahead)."""
 
     def __init__(self, llm: LLM) -> None:
         self.seconds: dict[str, float] = {}
@@ -87,7 +89,8 @@ class StageClock:
         if eng.spec is None:
             return
         for owner, name in ((eng.spec, "propose"), (eng.spec, "plan_ahead"), (eng.spec, "observe"), (eng, "_time_step"),
-                            (eng, "_count_spec_step"), (eng, "_count_draft")):
+                            (eng, "_count_spec_step"), (eng, "_count_draft"), (eng.spec, "choose_ahead"),
+                            (eng.spec, "observe_ahead"), (eng.runner, "_stage_inputs")):
             self._wrap(owner, name)
 
     def _wrap(self, owner: object, name: str) -> None:
