@@ -202,6 +202,9 @@ def test_dspark_steps_ahead_give_the_tokens_without_speculation(prompts_and_refe
                 for m in ("eager", "prefill", "cuda_graph"))
     assert eng.num_async_steps > steps / 2
     assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0
+    if policy["adaptive"] == "auto":  # what auto expected of each draft, kept by the step until it landed
+        predicted = counter(eng, "spec_decode_predicted_accepted_tokens")
+        assert 0 < predicted <= 4 * counter(eng, "spec_decode_num_drafts")
 
 
 def test_a_stop_string_a_sampled_request_and_an_abort_while_steps_go_ahead(prompts_and_reference):
