@@ -184,20 +184,23 @@ def dspark(policy: dict, **kw) -> LLM:
     return LLM(str(DEMO), speculative_config=spec, **{**COMMON, "async_scheduling": True, **kw})
 
 
-@pytest.mark.parametrize("policy", [{"adaptive": "off"}, {"adaptive": "phase", "phase_k": {"reasoning": 1,
-                                    "content": 3}}, {"adaptive": "auto"}], ids=["off", "phase", "auto"])
+@pytest.mark.parametrize("policy", [{"adaptive": "off"}, {"adaptive": "phase", "phase_k": {"reasoning": 1, "content": 3}},
+                                    {"adaptive": "phase", "phase_k": {"reasoning": 0, "content": 2}},
+                                    {"adaptive": "auto"}], ids=["off", "phase", "phase-with-k0", "auto"])
 @pytest.mark.parametrize("max_num_seqs", [2, 8])
 def test_dspark_steps_ahead_give_the_tokens_without_speculation(prompts_and_reference, policy, max_num_seqs):
-    """Every policy, with requests waiting for a seat (2) or all running at once (8), a prefix-cache
-    hit and requests ending on EOS and on max_tokens inside a draft: the tokens are the reference's,
-    most steps went ahead, and nothing is left in the KV cache or the ring."""
+    """Every policy (a phase at K = 0 mixes rows without drafts into the steps ahead, and hands
+    over between plain steps ahead and speculative ones), with requests waiting for a seat (2) or
+    all running at once (8), a prefix-cache hit and requests ending on EOS and on max_tokens
+    inside a draft: the tokens are the reference's, most steps went ahead, and nothing is left in
+    the KV cache or the ring."""
     ids, ref = prompts_and_reference
     llm = dspark(policy, max_num_seqs=max_num_seqs)
     eng = llm.engine
     assert eng._spec_ahead is not None
     got = [o.token_ids for o in llm.generate(ids, G)]
     assert got == ref
-    assert counter(eng, "spec_decode_num_drafts") > 20 and counter(eng, "spec_decode_num_accepted_tokens") > 0
+    assert counter(eng, "spec_decode_num_drafts") > 10 and counter(eng, "spec_decode_num_accepted_tokens") > 0
     steps = sum(eng.metrics.model_steps.labels(model_name=eng.model_name, mode=m)._value.get()
                 for m in ("eager", "prefill", "cuda_graph"))
     assert eng.num_async_steps > steps / 2
