@@ -154,8 +154,9 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
                "--max-num-batched-tokens")
     _bool_flag(s, "--async-scheduling", None,
                "launch each decode step before the previous step's tokens are back on the host, so output, stop "
-               "checks and scheduling overlap the GPU (default: on for CUDA); DSpark's greedy verify steps go ahead "
-               "too; other verify steps, structured output or a preemption run synchronously")
+               "checks and scheduling overlap the GPU (default: on for CUDA); DSpark's verify steps go ahead too "
+               "(not with penalties or logprobs); other verify steps, structured output or a preemption run "
+               "synchronously")
     s.add_argument("--max-queued-requests", type=int, default=SchedulerConfig.max_queued_requests,
                    help="waiting requests beyond this get HTTP 503 with Retry-After")
     # -- memory and KV cache

@@ -12,9 +12,9 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.core import Request
-from tandem.engine.runner import ModelRunner
+from tandem.engine.runner import AheadInputs, ModelRunner
 from tandem.engine.scheduler import ScheduledRequest
-from tandem.engine.spec_ahead import SpecAheadStep, accept_on_device
+from tandem.engine.spec_ahead import SpecAheadStep, accept_on_device, accept_sampled_on_device
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import KVCacheSpec, group_layers
 from tandem.spec.dspark_proposer import DSparkProposer
@@ -50,11 +50,11 @@ class _Hooks:
     def depth(self, q):
         return q - 1
 
-    def before(self, start, slot, pick, depth):
+    def before(self, meta, depth, sampled):
         shift, known, drafts = self.given
-        return shift, known, drafts[:, :depth], start + shift
+        return AheadInputs(shift, known, meta["start"] + shift, drafts[:, :depth])
 
-    def after(self, q, logits, aux, drafts, ks, slot, base):
+    def after(self, q, logits, aux, inputs, meta, sampled):
         self.logits, self.aux = logits, aux
 
 
@@ -92,7 +92,7 @@ def test_a_step_ahead_stages_what_the_exact_step_stages_once_shifted_on_the_devi
     assert runner._static.device["ahead/pick"][:4].tolist() == [0, 1, 2, 9]
     hooks = _Hooks(torch.tensor(shifts + [0]), known, drafts)
     views = {f: runner._static.device[f"ahead/{f}"][:bucket] for f in ("start", "ks", "slot", "pick")}
-    runner._ahead_body(bucket, q, hooks, views, runner._static_step(bucket, q))
+    runner._ahead_body(bucket, q, hooks, views, runner._static_step(bucket, q), False)
     for name, got in (("pos", runner._pos), ("slots0", runner._slots[0]), ("slots1", runner._slots[1])):
         assert got[: bucket * q].tolist() == want[name][: bucket * q].tolist(), name
     assert runner._seq[:bucket].tolist() == want["seq"][:bucket].tolist()
@@ -118,6 +118,48 @@ def test_acceptance_on_the_device_is_accept_greedy_row_by_row():
             assert accepted[i].item() == n_ok and tokens[i, : n_ok + 1].tolist() == want
 
 
+def _total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.shape[0]).double()
+    return 0.5 * (counts / counts.sum() - probs.double()).abs().sum().item()
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_rejection_sampling_on_the_device_gives_the_targets_distribution(top_k):
+    """Many independent rows of one verify (drafts drawn from the drafter's q, fresh noise per
+    row): the first token is distributed as the target's p at row 0, the second, where a first
+    draft was accepted, as p at row 1 (a wrong rule, e.g. accepting with p/q unclamped or
+    drawing the correction from p, fails the bound); greedy rows in the same batch accept and
+    correct as `accept_greedy`."""
+    gen = torch.Generator().manual_seed(0)
+    n, q, vocab, temp = 40000, 3, 6, 0.7
+    base = torch.randn(q, vocab, generator=gen) * 1.5
+    logits = base.repeat(n, 1)  # [n * q, V]
+    drafter = torch.softmax(torch.randn(q - 1, vocab, generator=gen), dim=-1)  # q_j, unlike p
+    drafts = torch.multinomial(drafter.repeat(n, 1), 1, generator=gen).view(n, q - 1)
+    greedy = torch.zeros(n, dtype=torch.int64)
+    greedy[:50] = 1
+    sampling = {"temp": torch.where(greedy.bool(), 1.0, temp), "topk": torch.full((n,), top_k),
+                "topp": torch.ones(n), "minp": torch.zeros(n), "greedy": greedy}
+    uniform = torch.rand(n, q - 1, generator=gen)
+    gumbel = -torch.empty(n, vocab).exponential_(generator=gen).log()
+    gumbel[:50] = 0.0
+    ks = torch.full((n,), q - 1)
+    accepted, tokens = accept_sampled_on_device(logits, drafts, drafter.repeat(n, 1, 1), ks, q, sampling, uniform, gumbel)
+    # The target's p per row, as the sampler computes it.
+    from tandem.engine.sampler import filter_logits_batch
+
+    p = torch.softmax(filter_logits_batch(base, torch.full((q,), temp), torch.full((q,), top_k), torch.ones(q),
+                                          torch.zeros(q)), dim=-1)
+    s = slice(50, None)
+    assert _total_variation(tokens[s, 0], p[0]) < 0.015
+    second = accepted[s] >= 1
+    assert second.sum() > 5000 and _total_variation(tokens[s][second, 1], p[1]) < 0.02
+    target = base.argmax(dim=-1).tolist()
+    for i in range(50):
+        want, n_ok = accept_greedy(drafts[i].tolist(), target)
+        assert accepted[i].item() == n_ok and tokens[i, : n_ok + 1].tolist() == want
+
+
 class _Cfg:
     block_size, window, target_layers, vocab_size = 4, 4, (0,), 50
 
@@ -128,7 +170,7 @@ class _EchoDrafter:
 
     cfg = _Cfg()
 
-    def draft_block(self, feats, known, depth):
+    def draft_block(self, feats, known, depth, inv_temp=None, gumbel=None):
         return feats[:, -depth:, 0].long() + 1000 * known[:, None], None, None
 
 
@@ -155,7 +197,7 @@ def test_the_ring_kept_on_the_device_holds_the_windows_observe_keeps():
             dev.land_ahead(r.request_id, b, 1 + a)
         base = [b + 1 + a for b, a in zip(base, accepted)]
         known = torch.tensor([5, 6])
-        got = dev.draft_from_ring(slots, torch.tensor(base), known, 4)
+        got = dev.draft_from_ring(slots, torch.tensor(base), known, 4)[0]
         windows = host._gather([host._windows[r.request_id] for r in reqs])
         assert got.tolist() == (windows[:, :, 0].long() + 1000 * known[:, None]).tolist()
         for r, b in zip(reqs, base):
@@ -210,24 +252,34 @@ def test_dspark_steps_ahead_give_the_tokens_without_speculation(prompts_and_refe
         assert 0 < predicted <= 4 * counter(eng, "spec_decode_num_drafts")
 
 
-def test_a_stop_string_a_sampled_request_and_an_abort_while_steps_go_ahead(prompts_and_reference):
-    """A stop string inside an accepted draft cuts where it cuts without speculation; a sampled
-    request makes the steps synchronous while it runs (and its seeded tokens repeat); a request
-    aborted while a step ahead is in flight ends cleanly and the others go on."""
+def test_a_stop_string_sampled_requests_and_an_abort_while_steps_go_ahead(prompts_and_reference):
+    """A stop string inside an accepted draft cuts where it cuts without speculation; sampled
+    requests (top-k and top-p among them) go ahead beside a greedy one, whose tokens stay the
+    reference's, and a seeded one repeats its tokens run after run; a request with penalties
+    makes its steps synchronous; a request aborted while a step ahead is in flight ends cleanly
+    and the others go on."""
     ids, ref = prompts_and_reference
     plain = LLM(str(DEMO), **COMMON)
     stop = SamplingParams(max_tokens=120, temperature=0.0, stop=["4"])
-    sampled = SamplingParams(max_tokens=40, temperature=0.8, seed=7)
+    sampled = [SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True),
+               SamplingParams(max_tokens=40, temperature=1.0, top_k=5, top_p=0.9, seed=3, ignore_eos=True)]
     want_stop = plain.generate([ids[0]], stop)[0]
-    # Rejection sampling draws other tokens than plain sampling (the same distribution): the
-    # reference is the same speculative engine stepping synchronously.
-    want_sampled = dspark({"adaptive": "off"}, async_scheduling=False).generate([ids[2], ids[1]], [G, sampled])
     llm = dspark({"adaptive": "off"})
+    eng = llm.engine
     got_stop = llm.generate([ids[0]], stop)[0]
     assert (got_stop.token_ids, got_stop.text) == (want_stop.token_ids, want_stop.text)
-    outs = llm.generate([ids[2], ids[1]], [G, sampled])
-    assert outs[0].token_ids == ref[2] == want_sampled[0].token_ids and outs[1].token_ids == want_sampled[1].token_ids
-    eng = llm.engine
+    before = eng.num_async_steps
+    outs = llm.generate([ids[2], ids[1], ids[3]], [G, *sampled])
+    assert outs[0].token_ids == ref[2]
+    assert [len(o.token_ids) for o in outs[1:]] == [40, 40]
+    assert eng.num_async_steps - before > 10  # the sampled requests went ahead too
+    again = dspark({"adaptive": "off"}).generate([ids[2], ids[1], ids[3]], [G, *sampled])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # seeded: the same draws
+    penalised = SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3)
+    before = eng.num_async_steps
+    want_penalised = plain.generate([ids[1]], penalised)[0].token_ids
+    assert llm.generate([ids[1]], penalised)[0].token_ids == want_penalised
+    assert eng.num_async_steps - before <= 2  # verified synchronously (a plain step may go ahead)
     eng.add_request("a", ids[3], G)
     eng.add_request("b", ids[4], G)
     got: dict[str, list[int]] = {"a": [], "b": []}
@@ -282,3 +334,25 @@ def test_steps_ahead_with_a_cache_too_small_for_every_request_preempt_and_recomp
     assert got == ref
     assert eng.scheduler.num_preemptions > 0 and eng.num_async_steps > 0
     assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_sampled_steps_ahead_replay_their_graphs_and_repeat_with_a_seed(prompts_and_reference):
+    """On CUDA (bf16): sampled requests' steps ahead replay the sampling graphs (rejection sampling
+    in the graph, nothing eager) beside a greedy request, and seeded requests repeat their tokens
+    run after run (the same draws from each request's generator)."""
+    from test_gpu import _count
+
+    ids, _ = prompts_and_reference
+    cuda = {"device": "cuda", "dtype": "bfloat16", "kv_cache_memory": "512MiB", "max_num_seqs": 4}
+    params = [G, SamplingParams(max_tokens=60, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=60, temperature=1.0, top_k=20, top_p=0.9, seed=3, ignore_eos=True)]
+    llm = dspark({"adaptive": "off"}, **cuda)
+    eng = llm.engine
+    assert eng._spec_ahead.sampled_ahead and any(key[2] for key in eng.runner.ahead_graphs)
+    outs = [o.token_ids for o in llm.generate(ids[:3], params)]
+    assert _count(llm, "model_steps", "eager") == 0 and _count(llm, "spec_decode_drafter_steps", "eager") == 0
+    assert eng.num_async_steps > 0.5 * _count(llm, "model_steps", "cuda_graph")
+    assert [len(o) for o in outs[1:]] == [60, 60]
+    assert [o.token_ids for o in dspark({"adaptive": "off"}, **cuda).generate(ids[:3], params)] == outs

@@ -142,7 +142,8 @@ class LLMEngine(AheadSteps):
         if why is not None:
             logger.info("Speculative steps run synchronously (%s); only steps that draft nothing go ahead", why)
             return None
-        return SpecAhead(self.runner, self.kv, self.scheduler, self.spec, self.config.scheduler.max_num_seqs)
+        return SpecAhead(self.runner, self.kv, self.scheduler, self.spec, self.config.scheduler.max_num_seqs,
+                         self.sampler.generator_for)
 
     @property
     def async_scheduling(self) -> bool:
@@ -154,7 +155,7 @@ class LLMEngine(AheadSteps):
     def async_scheduling(self, asked: bool | None) -> None:
         """--async-scheduling, by default on for CUDA; never with online hot experts (their swaps
         land between steps). With speculation the steps that draft nothing go ahead, and DSpark's
-        greedy verify steps (`_spec_step_ahead`)."""
+        verify steps (`_spec_step_ahead`)."""
         self._async = self._async_scheduling_allowed(asked)
         if self.spec is not None and self.spec.auto is not None:
             self.spec.auto.cost.plain_overlaps = self._async
@@ -168,7 +169,7 @@ class LLMEngine(AheadSteps):
         if self.spec is None:
             what = "plain decode steps"
         elif self._spec_ahead is not None:
-            what = "decode and greedy speculative steps"
+            what = "decode and speculative steps"
         else:
             what = "steps that draft nothing"
         logger.info("Async scheduling: %s",
@@ -255,7 +256,7 @@ class LLMEngine(AheadSteps):
         With async scheduling a step whose requests sample plainly is left in flight once
         launched (`_launch`); the next call launches the step after it before landing its tokens
         (`_step_ahead`), so each call returns the previous launch's deltas. A DSpark verify step of
-        greedy decodes goes ahead the same way (`_spec_step_ahead`, tandem/engine/spec_ahead.py).
+        decodes goes ahead the same way (`_spec_step_ahead`, tandem/engine/spec_ahead.py).
 
         A failure ends only the requests it can be blamed on, each with finish_reason "error" and
         error_kind "internal", and the engine goes on: a failure to schedule or to run the model

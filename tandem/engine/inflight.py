@@ -12,8 +12,8 @@ A step goes ahead of one whose requests sample plainly (`can_go_ahead`): prefill
 requests are planned ahead as well (`Scheduler.schedule_ahead`); what needs the host between
 steps (a draft to verify, grammars, a preemption) runs the synchronous step. With speculation a
 step goes ahead when the K policy drafts nothing for it (`SpecDecoder.plan_ahead`: adaptive auto
-at K = 0, a `phase_k` of 0), the proposer catching up on it at launch; DSpark's greedy verify
-steps go ahead as well, drafted and accepted on the device (tandem/engine/spec_ahead.py). Penalties and min_tokens
+at K = 0, a `phase_k` of 0), the proposer catching up on it at launch; DSpark's verify steps
+go ahead as well, drafted and accepted on the device (tandem/engine/spec_ahead.py). Penalties and min_tokens
 go ahead (the sampler counts the pending token on the device), and so do logprobs (computed on
 the device, copied with the tokens).
 """

@@ -13,7 +13,9 @@ computed on the device, queued behind it:
 2. DSpark drafts a block from the window of hidden states ending there, after the token the
    predecessor added (its correction or bonus token), read on the device
    (`DSparkProposer.draft_ahead`);
-3. the verify graph replays, and greedy acceptance runs on the device (`accept_on_device`);
+3. the verify graph replays, and acceptance runs on the device: greedy (`accept_on_device`), or
+   rejection sampling when a request samples (`accept_sampled_on_device`, with noise drawn from
+   each request's generator before the launch);
 4. the kept rows' hidden states go into the ring (`DSparkProposer.observe_ahead`);
 5. the accepted counts, the tokens and the drafts are copied to pinned host memory.
 
@@ -27,27 +29,30 @@ KV: a step ahead allocates slots for the largest outcome of the step before it (
 accepted) plus its own query; what the outcome leaves unused is given back at landing.
 
 What goes ahead (`SpecAhead.eligible`): a batch of decoding requests only (no prefill, nobody
-waiting to be admitted), each greedy without penalties or logprobs (acceptance is an argmax
-comparison), without a grammar, with its DSpark window in the ring, and with room for the step
-in flight's largest outcome before its max_tokens or the context ends. Anything else lands the
+waiting to be admitted), each greedy or sampling without penalties, min_tokens left or logprobs
+(its target distribution is then the filtered softmax of its rows), without a grammar, with its
+DSpark window in the ring, and with room for the step in flight's largest outcome before its
+max_tokens or the context ends. Anything else lands the
 step in flight and runs the synchronous step. The proposer must draft on the device (DSpark);
 the model's KV groups must be plain paged attention (`unsupported` says why not, once).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from tandem.core import Request, RequestStatus
 from tandem.engine.inflight import InFlightStep
-from tandem.engine.runner import ModelRunner
+from tandem.engine.runner import AheadInputs, ModelRunner
+from tandem.engine.sampler import filter_logits_batch
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.static_inputs import host_to_device
 from tandem.kv.manager import KVCacheManager
 from tandem.spec.controller import SpecDecoder
-from tandem.spec.verify import VerifyResult, is_plain_greedy
+from tandem.spec.verify import VerifyResult, is_plain_greedy, is_plain_sampled
 
 
 def accept_on_device(logits: torch.Tensor, drafts: torch.Tensor | None, ks: torch.Tensor, q: int
@@ -68,6 +73,55 @@ def accept_on_device(logits: torch.Tensor, drafts: torch.Tensor | None, ks: torc
     accepted = ((proposed == target[:, :-1]) & live).long().cumprod(dim=1).sum(dim=1)  # [N]
     tokens = torch.cat([proposed, target[:, -1:]], dim=1)
     tokens.scatter_(1, accepted[:, None], target.gather(1, accepted[:, None]))
+    return accepted, tokens
+
+
+def accept_sampled_on_device(logits: torch.Tensor, drafts: torch.Tensor | None, draft_probs: torch.Tensor | None,
+                             ks: torch.Tensor, q: int, sampling: dict[str, torch.Tensor], uniform: torch.Tensor,
+                             gumbel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_on_device` for a batch with sampled requests: rejection sampling (tandem/spec/verify.py
+    states the rule) on the device, with the noise drawn beforehand from each request's generator.
+
+    logits [N * q, V]; drafts [N, >= q - 1] and draft_probs [N, >= q - 1, V] (the q each draft was
+    drawn from) or None when q = 1; sampling: [N] tensors temp, topk, topp, minp (the target's p
+    is the sampler's: filtered, then softmax) and greedy (1: the row's p is one-hot at its argmax
+    and its drafts deterministic, so it accepts and corrects exactly as `accept_greedy`);
+    uniform [N, >= q - 1] U(0, 1) draws for the acceptance tests; gumbel [N, V] standard Gumbel
+    noise (0 for greedy rows) for the one token drawn from norm(max(0, p - q)) at the first
+    rejection, or from p after the last draft (the Gumbel-max trick: argmax(log f + g) is a draw
+    from f). Returns (accepted [N], tokens [N, q]) as `accept_on_device` does."""
+    n, vocab = ks.shape[0], logits.shape[1]
+    rows = logits.view(n * q, vocab)
+    rep = {k: v[:, None].expand(n, q).reshape(-1) for k, v in sampling.items()}  # per row of logits
+    p = torch.softmax(filter_logits_batch(rows, rep["temp"], rep["topk"], rep["topp"], rep["minp"]), dim=-1)
+    greedy = sampling["greedy"].bool()
+    # One-hot by scatter (no host check of the indices: the graph captures it).
+    onehot = torch.zeros_like(p).scatter_(1, rows.argmax(dim=-1, keepdim=True), 1.0)
+    p = torch.where(rep["greedy"].bool()[:, None], onehot, p).view(n, q, vocab)
+    if q == 1:
+        final = p[:, 0]
+        accepted = torch.zeros(n, dtype=torch.int64, device=logits.device)
+        return accepted, (final.log() + gumbel).argmax(dim=-1)[:, None]
+    assert drafts is not None and draft_probs is not None
+    x = drafts[:, : q - 1]  # [N, q - 1]
+    # q of each draft: the drafter's distribution, one-hot at the draft for a greedy row.
+    at_draft = torch.zeros(n, q - 1, vocab, dtype=p.dtype, device=p.device).scatter_(2, x[..., None], 1.0)
+    q_draft = torch.where(greedy[:, None, None], at_draft, draft_probs[:, : q - 1].to(p.dtype))  # [N, q - 1, V]
+    p_x = p[:, : q - 1].gather(2, x[..., None])[..., 0]
+    q_x = q_draft.gather(2, x[..., None])[..., 0]
+    live = torch.arange(q - 1, device=logits.device) < ks[:, None]
+    accept = (uniform[:, : q - 1] * q_x < p_x) & (q_x > 0) & live
+    accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [N]
+    residual = (p[:, : q - 1] - q_draft).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass, p[:, : q - 1])  # p == q: rounding's rejection
+    at = accepted.clamp(max=q - 2)[:, None, None].expand(n, 1, vocab)
+    from_residual = residual.gather(1, at)[:, 0]
+    bonus = p.gather(1, ks[:, None, None].expand(n, 1, vocab))[:, 0]  # after all K_i drafts
+    final = torch.where((accepted == ks)[:, None], bonus, from_residual)  # [N, V]
+    token = (final.log() + gumbel).argmax(dim=-1)
+    tokens = torch.cat([x, token[:, None]], dim=1)
+    tokens.scatter_(1, accepted[:, None], token[:, None])
     return accepted, tokens
 
 
@@ -97,17 +151,24 @@ class SpecAhead:
     (`ModelRunner.execute_ahead`)."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, spec: SpecDecoder,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, generator_for: Callable[[Request], torch.Generator]) -> None:
         self.runner, self.kv, self.scheduler, self.spec = runner, kv, scheduler, spec
         self.proposer = spec.proposer
         self.max_num_seqs = max_num_seqs
         self.device = runner.device
+        self.generator_for = generator_for  # a sampled request's noise comes from its generator
         kmax = spec.config.num_speculative_tokens
         self.max_q = 1 + kmax
         # Row r: [accepted, last token, tokens (max_q), drafts (kmax)]; row max_num_seqs stays 0.
         self.results = torch.zeros(max_num_seqs + 1, 2 + self.max_q + kmax, dtype=torch.int64, device=self.device)
         self.zero_row = max_num_seqs
         self._tokens_at, self._drafts_at = 2, 2 + self.max_q
+        # Sampled steps' noise, drawn before each launch (the graph reads these rows): the
+        # acceptance tests' uniforms and the Gumbel noise of the one token drawn at the end.
+        vocab = self.proposer.drafter.cfg.vocab_size
+        self.uniform = torch.zeros(max_num_seqs + 1, max(kmax, 1), device=self.device)
+        self.final_gumbel = torch.zeros(max_num_seqs + 1, vocab, device=self.device)
+        self.sampled_ahead = True  # False when the sampled graphs failed to capture (ModelRunner says why)
 
     @staticmethod
     def unsupported(spec: SpecDecoder, kv: KVCacheManager) -> str | None:
@@ -126,29 +187,60 @@ class SpecAhead:
     def depth(self, q: int) -> int:
         return next(d for d in self.proposer.depths if d >= q - 1) if q > 1 else 0  # a captured block depth
 
-    def before(self, start: torch.Tensor, slot: torch.Tensor, pick: torch.Tensor, depth: int
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def before(self, meta: dict[str, torch.Tensor], depth: int, sampled: bool) -> AheadInputs:
         """Each request's shift and first token from the predecessor's row `pick`, its first
-        position, and DSpark's drafts from the ring window ending there."""
-        prev = self.results.index_select(0, pick)
+        position, and DSpark's drafts from the ring window ending there (sampled at each row's
+        temperature with the noise `launch` drew, when `sampled`)."""
+        prev = self.results.index_select(0, meta["pick"])
         shift, known = prev[:, 0], prev[:, 1]
-        base = start + shift
-        drafts = self.proposer.draft_from_ring(slot, base, known, depth) if depth else None
-        return shift, known, drafts, base
+        base = meta["start"] + shift
+        if not depth:
+            return AheadInputs(shift, known, base, None)
+        if not sampled:
+            return AheadInputs(shift, known, base, self.proposer.draft_from_ring(meta["slot"], base, known, depth)[0])
+        n = meta["slot"].shape[0]
+        drafts, probs = self.proposer.draft_from_ring(meta["slot"], base, known, depth, 1.0 / meta["temp"],
+                                                      self.proposer.draft_noise(n, depth))
+        return AheadInputs(shift, known, base, drafts, probs)
 
-    def after(self, q: int, logits: torch.Tensor, aux: torch.Tensor | None, drafts: torch.Tensor | None,
-              ks: torch.Tensor, slot: torch.Tensor, base: torch.Tensor) -> None:
-        """Accept, keep the kept rows' hidden states in the ring, write the results' rows."""
+    def after(self, q: int, logits: torch.Tensor, aux: torch.Tensor | None, inputs: AheadInputs,
+              meta: dict[str, torch.Tensor], sampled: bool) -> None:
+        """Accept (greedy, or by rejection sampling), keep the kept rows' hidden states in the
+        ring, write the results' rows."""
         if aux is None:
             raise RuntimeError("a DSpark step ahead needs the target runner's aux-layer outputs")
-        accepted, tokens = accept_on_device(logits, drafts, ks, q)
-        self.proposer.observe_ahead(slot, base, accepted, aux, q)
-        n, out = ks.shape[0], self.results
+        ks, n = meta["ks"], meta["ks"].shape[0]
+        if sampled:
+            sampling = {f: meta[f] for f in ("temp", "topk", "topp", "minp", "greedy")}
+            accepted, tokens = accept_sampled_on_device(logits, inputs.drafts, inputs.draft_probs, ks, q, sampling,
+                                                        self.uniform[:n], self.final_gumbel[:n])
+        else:
+            accepted, tokens = accept_on_device(logits, inputs.drafts, ks, q)
+        self.proposer.observe_ahead(meta["slot"], inputs.base, accepted, aux, q)
+        out = self.results
         out[:n, 0].copy_(accepted)
         out[:n, 1].copy_(tokens.gather(1, accepted[:, None]).view(-1))
         out[:n, self._tokens_at : self._tokens_at + q].copy_(tokens)
-        if drafts is not None:
-            out[:n, self._drafts_at : self._drafts_at + q - 1].copy_(drafts[:, : q - 1])
+        if inputs.drafts is not None:
+            out[:n, self._drafts_at : self._drafts_at + q - 1].copy_(inputs.drafts[:, : q - 1])
+
+    def _draw_noise(self, reqs: list[Request], depth: int) -> None:
+        """Each sampled request's noise for the step from its generator (seeded ones stay
+        reproducible): Kmax uniforms, the final token's Gumbel row and the drafter's Gumbel
+        rows; zeros for a greedy request (its acceptance and tokens are the argmax's)."""
+        drafter = self.proposer.draft_noise(len(reqs), depth) if depth else None
+        for i, req in enumerate(reqs):
+            if req.params.greedy:
+                self.final_gumbel[i].zero_()
+                if drafter is not None:
+                    drafter[i].zero_()
+                continue
+            gen = self.generator_for(req)
+            self.uniform[i].uniform_(generator=gen)
+            # -log(Exp(1)) is a standard Gumbel draw.
+            self.final_gumbel[i].exponential_(generator=gen).log_().neg_()
+            if drafter is not None:
+                drafter[i].exponential_(generator=gen).log_().neg_()
 
     # -- planning ---------------------------------------------------------------------------------
     def eligible(self, prev: InFlightStep | SpecAheadStep | None) -> list[Request] | None:
@@ -169,7 +261,8 @@ class SpecAhead:
                 return None
             if rows is None and req.num_computed_tokens != req.num_tokens - 1:
                 return None  # prefill work left
-            if req.params.grammar is not None or not is_plain_greedy(req) or not self.proposer.ready_ahead(req):
+            plain = is_plain_greedy(req) or (self.sampled_ahead and is_plain_sampled(req))
+            if req.params.grammar is not None or not plain or not self.proposer.ready_ahead(req):
                 return None
             ahead = prev.ks[prev.index[req.request_id]] + 1 if isinstance(prev, SpecAheadStep) else int(rows is not None)
             if self.spec.room(req) < ahead:
@@ -211,10 +304,17 @@ class SpecAhead:
                 last = host_to_device([r.all_token_ids[-1] for r in reqs], torch.int64, self.device)
             self.results[: len(last), 0].zero_()
             self.results[: len(last), 1].copy_(last)
-        meta = {"start": starts, "ks": list(ks), "slot": self.proposer.ring_slots(reqs), "pick": picks}
+        params = [r.params for r in reqs]
+        sampled = not all(p.greedy for p in params)
+        meta = {"start": starts, "ks": list(ks), "slot": self.proposer.ring_slots(reqs), "pick": picks,
+                "temp": [1.0 if p.greedy else p.temperature for p in params], "topk": [p.top_k for p in params],
+                "topp": [p.top_p for p in params], "minp": [p.min_p for p in params],
+                "greedy": [int(p.greedy) for p in params]}
+        if sampled:
+            self._draw_noise(reqs, self.depth(1 + max(ks)))
         batch = [ScheduledRequest(r, s, 1 + k, True, (0,) * k, input_row=i)
                  for i, (r, s, k) in enumerate(zip(reqs, starts, ks))]
-        mode = self.runner.execute_ahead(batch, meta, self)
+        mode = self.runner.execute_ahead(batch, meta, self, sampled)
         rows = self.results[:n]
         host, copied = rows, None
         if self.device.type == "cuda":

@@ -167,18 +167,30 @@ class DSparkProposer:
     def ring_slots(self, reqs: Sequence[Request]) -> list[int]:
         return [self._windows[r.request_id].slot for r in reqs]
 
-    def draft_from_ring(self, slots: torch.Tensor, base: torch.Tensor, known: torch.Tensor, depth: int
-                        ) -> torch.Tensor:
-        """Greedy drafts [N, depth], device ops only (a step ahead's graph captures them): request i
-        drafts after token known[i] at position base[i] from the window of positions
-        base[i] - W .. base[i] - 1 in ring slot slots[i] (all [N] device tensors; a window from
-        position 0 is padded as `_gather` pads it)."""
+    def draft_from_ring(self, slots: torch.Tensor, base: torch.Tensor, known: torch.Tensor, depth: int,
+                        inv_temp: torch.Tensor | None = None, gumbel: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts [N, depth] and, when sampling, the q each was drawn from [N, depth, V]; device ops
+        only (a step ahead's graph captures them). Request i drafts after token known[i] at
+        position base[i] from the window of positions base[i] - W .. base[i] - 1 in ring slot
+        slots[i] (all [N] device tensors; a window from position 0 is padded as `_gather` pads
+        it). inv_temp [N] and gumbel [N, depth, V] as for `DSparkDrafter.draft_block` (zero noise
+        and 1: greedy); None: every row greedy."""
         assert self._ring is not None
         n, w = len(slots), self.window
         span = torch.arange(w, device=base.device)
         index = slots[:, None] * w + (base[:, None] - w + span).clamp_min(0) % w  # [N, W]
         feats = self._ring.view(-1, self._ring.shape[2]).index_select(0, index.view(-1)).view(n, w, -1)
-        return self.drafter.draft_block(feats, known, depth)[0]
+        tokens, probs, _ = self.drafter.draft_block(feats, known, depth, inv_temp, gumbel)
+        return tokens, probs
+
+    def draft_noise(self, rows: int, depth: int) -> torch.Tensor:
+        """The Gumbel noise buffer [rows, depth, V] sampled drafts read (the sampling graphs' own
+        input when captured, else one of its own)."""
+        have = getattr(self, "_gumbel", None)
+        if have is None or have.shape[0] < rows or have.shape[1] < depth:
+            self._gumbel = torch.zeros(rows, self.kmax, self.drafter.cfg.vocab_size, device=self.device)
+        return self._gumbel[:rows, :depth]
 
     def observe_ahead(self, slots: torch.Tensor, base: torch.Tensor, accepted: torch.Tensor, aux: torch.Tensor,
                       q: int) -> None:

@@ -145,6 +145,14 @@ def is_plain_greedy(req: Request) -> bool:
     return p.greedy and not p.needs_penalties and req.num_output_tokens >= p.min_tokens and p.logprobs is None
 
 
+def is_plain_sampled(req: Request) -> bool:
+    """Whether a sampled request's target distribution is the filtered softmax of its raw rows
+    (no penalties, min_tokens reached, no logprobs): what a speculative step ahead can verify on
+    the device (`tandem.engine.spec_ahead.accept_sampled_on_device`)."""
+    p = req.params
+    return not p.greedy and not p.needs_penalties and req.num_output_tokens >= p.min_tokens and p.logprobs is None
+
+
 def accept_greedy(draft: list[int], target: list[int]) -> tuple[list[int], int]:
     """Greedy acceptance on the host: target [K+1] holds the argmax of each row. Drafts are kept
     while they equal it; then the target's own token (the correction, or the bonus after all K).
