@@ -12,7 +12,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.core import Request
-from tandem.engine.runner import AheadInputs, ModelRunner
+from tandem.engine.runner import ModelRunner
+from tandem.engine.runner_ahead import AheadInputs
 from tandem.engine.scheduler import ScheduledRequest
 from tandem.engine.spec_ahead import SpecAheadStep, accept_on_device, accept_sampled_on_device
 from tandem.kv.manager import KVCacheManager

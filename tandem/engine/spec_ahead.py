@@ -46,7 +46,8 @@ import torch
 
 from tandem.core import Request, RequestStatus
 from tandem.engine.inflight import InFlightStep
-from tandem.engine.runner import AheadInputs, ModelRunner
+from tandem.engine.runner import ModelRunner
+from tandem.engine.runner_ahead import AheadInputs
 from tandem.engine.sampler import filter_logits_batch
 from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.engine.static_inputs import host_to_device
@@ -281,6 +282,10 @@ class SpecAhead:
         """Queue a step ahead of `prev` (see the module docstring); returns it and how it ran
         (`ForwardOutput.mode`). None, launching nothing, when a request's slots do not fit (the
         synchronous step then preempts)."""
+        params = [r.params for r in reqs]
+        sampled = not all(p.greedy for p in params)
+        if not self.runner.can_run_ahead(len(reqs), 1 + max(ks), sampled):
+            return None  # a sampled batch beyond the captured buckets: the synchronous step
         behind = self.in_flight_drafts(reqs, prev)
         # The first query position as if `prev` accepted nothing: a step ahead's requests did not
         # advance at its launch (they advance when it lands); a plain step's did.
@@ -304,8 +309,6 @@ class SpecAhead:
                 last = host_to_device([r.all_token_ids[-1] for r in reqs], torch.int64, self.device)
             self.results[: len(last), 0].zero_()
             self.results[: len(last), 1].copy_(last)
-        params = [r.params for r in reqs]
-        sampled = not all(p.greedy for p in params)
         meta = {"start": starts, "ks": list(ks), "slot": self.proposer.ring_slots(reqs), "pick": picks,
                 "temp": [1.0 if p.greedy else p.temperature for p in params], "topk": [p.top_k for p in params],
                 "topp": [p.top_p for p in params], "minp": [p.min_p for p in params],
