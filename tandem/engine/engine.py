@@ -382,16 +382,13 @@ class LLMEngine(AheadSteps):
                 continue
             try:
                 if s.draft:
-                    guess = expected.get(req.request_id) if expected is not None else self._expected(req, len(s.draft))
+                    guess = (expected.get(req.request_id) if expected is not None
+                             else self.spec.expected_accepted(req.request_id, len(s.draft)))
                     self._count_draft(req, len(s.draft), result.num_accepted, guess)
                 outputs.append(self._append_tokens(req, result.tokens, result.logprobs, now))
             except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request alone
                 outputs.append(self._fail_request(req, "postprocessing", e))
         return outputs
-
-    def _expected(self, req: Request, num_draft: int) -> float | None:
-        assert self.spec is not None
-        return self.spec.expected_accepted(req.request_id, num_draft)
 
     def _count_draft(self, req: Request, num_draft: int, num_accepted: int, expected: float | None) -> None:
         assert self.spec is not None

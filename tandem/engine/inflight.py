@@ -21,6 +21,7 @@ the device, copied with the tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -55,6 +56,11 @@ class InFlightStep:
         copied = torch.cuda.Event()
         copied.record()
         return cls(sched, tokens, host, copied, chained)
+
+    @cached_property
+    def sampling_rows(self) -> dict[str, int]:
+        """request id -> its row of `tokens` (the requests that sample, in batch order)."""
+        return {s.request.request_id: i for i, s in enumerate(s for s in self.sched.scheduled if s.samples)}
 
     def results(self) -> list[tuple[ScheduledRequest, VerifyResult]]:
         """Each request that samples, with its token (and its logprobs when it asks), waiting for

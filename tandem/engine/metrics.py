@@ -66,8 +66,6 @@ class EngineMetrics:
         self.spec_step_measured = Counter("tandem:spec_decode_step_measured_seconds",
                                           "Measured seconds of those steps.", labels, registry=r)
         self.model_name = model_name
-        self._step_children: tuple | None = None
-        self._predicted_children: dict[str, Counter] = {}
         self._children: dict[tuple, object] = {}  # see child
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
@@ -86,11 +84,8 @@ class EngineMetrics:
         """One verified draft of `num_draft` tokens whose first `num_accepted` were accepted
         (`expected`: the accepted tokens the K controller predicted, with adaptive auto)."""
         labels = {"model_name": self.model_name, "phase": phase}
-        if expected is not None:  # every draft under adaptive auto: the child is looked up once
-            child = self._predicted_children.get(phase)
-            if child is None:
-                child = self._predicted_children[phase] = self.spec_predicted_accepted.labels(**labels)
-            child.inc(expected)
+        if expected is not None:  # every draft under adaptive auto
+            self.child(self.spec_predicted_accepted, **labels).inc(expected)
         self.child(self.spec_drafts, **labels).inc()
         self.child(self.spec_draft_tokens, **labels).inc(num_draft)
         self.child(self.spec_accepted_tokens, **labels).inc(num_accepted)
@@ -102,15 +97,10 @@ class EngineMetrics:
         self.child(self.spec_k, model_name=self.model_name, phase=phase, k=str(k)).inc(n)
 
     def count_step_time(self, predicted: float, measured: float) -> None:
-        """One step whose time the K controller predicted (every step under adaptive auto: the
-        labelled children are looked up once)."""
-        if self._step_children is None:
-            self._step_children = tuple(self.label(m) for m in (self.spec_steps_timed, self.spec_step_predicted,
-                                                               self.spec_step_measured))
-        steps, pred, meas = self._step_children
-        steps.inc()
-        pred.inc(predicted)
-        meas.inc(measured)
+        """One step whose time the K controller predicted (every step under adaptive auto)."""
+        self.label(self.spec_steps_timed).inc()
+        self.label(self.spec_step_predicted).inc(predicted)
+        self.label(self.spec_step_measured).inc(measured)
 
 
 @dataclass

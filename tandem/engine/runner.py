@@ -118,7 +118,7 @@ class ModelRunner(AheadRunning):
         self.aux_layers = aux_layers
         self.block_size = kv.block_size
         self.graphs: dict[tuple[int, int], _Graph] = {}
-        self.ahead_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, q): a step ahead
+        self.ahead_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, q, sampled): ahead
         self.buckets: tuple[int, ...] = ()
         self._warned: set[tuple[int, int]] = set()  # step shapes that fell back to eager
         # Routed experts in RAM (tandem/offload/cpu_executor.py): before a replay, the real rows of

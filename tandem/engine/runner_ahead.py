@@ -175,7 +175,8 @@ class AheadRunning:
         exact = [ScheduledRequest(s.request, s.start + m, s.num_tokens, True, tuple(d[: len(s.draft)]), input_row=i)
                  for i, (s, m, d) in enumerate(zip(batch, moved, proposed))]
         out = self.execute(exact, pending=inputs.known)
-        index = torch.tensor([i * q + j for i, s in enumerate(exact) for j in range(s.num_tokens)], device=self.device)
+        index = host_to_device([i * q + j for i, s in enumerate(exact) for j in range(s.num_tokens)], torch.int64,
+                               self.device)
         logits = out.logits.new_zeros(n * q, out.logits.shape[1]).index_copy_(0, index, out.logits)
         aux = None if out.aux is None else out.aux.new_zeros(n * q, out.aux.shape[1]).index_copy_(0, index, out.aux)
         hooks.after(q, logits, aux, inputs, dev, sampled)

@@ -138,7 +138,7 @@ class SpecAheadStep:
     host: torch.Tensor  # [N, columns] the results' rows (SpecAhead's layout), pinned on CUDA
     copied: torch.cuda.Event | None
     chained: bool  # launched ahead of another step in flight
-    index: dict[str, int] = field(default_factory=dict)  # request id -> row
+    index: dict[str, int] = field(init=False)  # request id -> row
 
     def __post_init__(self) -> None:
         self.index = {r.request_id: i for i, r in enumerate(self.requests)}
@@ -254,7 +254,7 @@ class SpecAhead:
         if isinstance(prev, SpecAheadStep):
             rows = prev.index
         elif isinstance(prev, InFlightStep):
-            rows = {s.request.request_id: i for i, s in enumerate(s for s in prev.sched.scheduled if s.samples)}
+            rows = prev.sampling_rows
         else:
             rows = None
         for req in running:
@@ -301,8 +301,7 @@ class SpecAhead:
             picks = [prev.index[r.request_id] for r in reqs]
         else:  # the results' rows start from the plain step's sampled tokens, or the host's last tokens
             if isinstance(prev, InFlightStep):
-                sampled = {s.request.request_id: i for i, s in enumerate(s for s in prev.sched.scheduled if s.samples)}
-                picks = [sampled[r.request_id] for r in reqs]
+                picks = [prev.sampling_rows[r.request_id] for r in reqs]
                 last = prev.tokens
             else:
                 picks = list(range(n))

@@ -227,13 +227,9 @@ class SpecDecoder:
     def choose_k(self, req: Request) -> int:
         """The draft depth of the `off` / `phase` policy for the request's next step, cut so that
         the draft and the token after it stay within max_tokens and the context length."""
-        return max(0, min(self.config.k_for(self._track(req).tracker.phase), self._room(req)))
+        return max(0, min(self.config.k_for(self._track(req).tracker.phase), self.room(req)))
 
     def room(self, req: Request) -> int:
-        """Draft tokens the request may still take: the draft and the token after it must fit."""
-        return self._room(req)
-
-    def _room(self, req: Request) -> int:
         """Draft tokens the request may still take: the draft and the token after it must fit."""
         return max(0, min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1)
 
@@ -244,7 +240,7 @@ class SpecDecoder:
         tracked = [self._track(r) for r in reqs]
         phases = [t.tracker.phase for t in tracked]
         ids = [r.request_id for r in reqs]
-        rooms = [self._room(r) for r in reqs]
+        rooms = [self.room(r) for r in reqs]
         planned, self._planned = self._planned, None
         if planned is not None and all(rid in planned for rid in ids):
             ks = [min(planned[rid], room) for rid, room in zip(ids, rooms)]
@@ -286,7 +282,7 @@ class SpecDecoder:
         ids = [r.request_id for r in requests]
         if self.auto is not None and self.auto.repeat_zero(ids, phases):
             return None  # the last choice again: _drafted and chosen_k stand
-        rooms = [max(0, self._room(r) - 1 - k) for r, k in zip(requests, in_flight)]
+        rooms = [max(0, self.room(r) - 1 - k) for r, k in zip(requests, in_flight)]
         return self._choose(ids, requests, phases, rooms)
 
     def commit_ahead(self, requests: Sequence[Request], ks: Sequence[int]) -> None:

@@ -81,6 +81,7 @@ class DSparkProposer:
         # smallest depth covering its largest K (drafts are prefix-consistent).
         self.depths = tuple(sorted(set(depths) | {kmax}))
         self._graphs: dict[tuple[int, int, bool], _DraftGraph] = {}
+        self._gumbel: torch.Tensor | None = None  # [rows, kmax, V] sampled drafts' noise (capture, draft_noise)
         self._buckets: tuple[int, ...] = ()
 
     # -- the proposer interface ---------------------------------------------------------------
@@ -187,8 +188,7 @@ class DSparkProposer:
     def draft_noise(self, rows: int, depth: int) -> torch.Tensor:
         """The Gumbel noise buffer [rows, depth, V] sampled drafts read (the sampling graphs' own
         input when captured, else one of its own)."""
-        have = getattr(self, "_gumbel", None)
-        if have is None or have.shape[0] < rows or have.shape[1] < depth:
+        if self._gumbel is None or self._gumbel.shape[0] < rows:
             self._gumbel = torch.zeros(rows, self.kmax, self.drafter.cfg.vocab_size, device=self.device)
         return self._gumbel[:rows, :depth]
 
