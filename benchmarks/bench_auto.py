@@ -111,8 +111,9 @@ class StageClock:
 
 
 class StepClock:
-    """Wall seconds and counts of one engine's steps by how their forward ran ("prefill": a step
-    with prefill work, "cuda_graph" / "eager": decodes and verifies, "none": no forward), by
+    """Wall seconds and counts of one engine's steps by how their forward ran ("prefill" /
+    "prefill_graph": a step with prefill work, eager or replayed, "cuda_graph" / "eager": decodes
+    and verifies, "none": no forward), by
     wrapping `step` and the runner's `execute`: where the time a K policy does not model goes."""
 
     def __init__(self, llm: LLM) -> None:
@@ -236,6 +237,8 @@ def main() -> None:
                     help="time the speculative stage's host work per configuration (propose, observe, counters)")
     ap.add_argument("--step-clock", action="store_true",
                     help="wall time per step kind (prefill, graph, eager) and between steps, per configuration")
+    ap.add_argument("--eager-prefill-too", action="store_true",
+                    help="also run each configuration with prefill graphs off (--prefill-graph-max-tokens 0)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--traces", default=None, help="also record DSpark K=kmax verify traces here")
     args = ap.parse_args()
@@ -244,11 +247,16 @@ def main() -> None:
     table = configs(args.methods.split(","), args.kmax)
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
+    variants = [(name, spec, None) for name, spec in table.items()]
+    if args.eager_prefill_too:
+        variants += [(f"{name}, eager prefill", spec, 0) for name, spec in table.items()]
+    table = {name: spec for name, spec, _ in variants}
     llms, clocks, step_clocks = {}, {}, {}
-    for name, spec in table.items():
+    for name, spec, prefill_cap in variants:
         t = time.perf_counter()
+        cap = {} if prefill_cap is None else {"prefill_graph_max_tokens": prefill_cap}
         llms[name] = LLM(str(demo_model_dir()), device=args.device, max_num_seqs=max(levels), kv_cache_memory="1GiB",
-                         speculative_config=spec)
+                         speculative_config=spec, **cap)
         llms[name].generate(prompts[:2], SamplingParams(max_tokens=32, temperature=0.0))  # warm-up
         clocks[name] = StageClock(llms[name]) if args.stage_clock else None
         step_clocks[name] = StepClock(llms[name]) if args.step_clock else None
@@ -285,13 +293,13 @@ def main() -> None:
                         details[name][c]["stage_s"] = {k: round(v, 4) for k, v in stage.items()}
                     if steps:
                         details[name][c]["wall_by_step_kind"] = steps
-                print(f"round {r + 1} conc {c:>2} {name:<18} {tokens / seconds:8.1f} tok/s ({tokens} tokens)", flush=True)
+                print(f"round {r + 1} conc {c:>2} {name:<28} {tokens / seconds:8.1f} tok/s ({tokens} tokens)", flush=True)
     report = {"rounds": args.rounds, "prompts": len(prompts), "max_tokens": args.max_tokens, "device": args.device,
               "results": {}}
     print(f"\nmedian tok/s over {args.rounds} rounds (median of each round's ratio to no speculation in that round)")
-    print(f"{'config':<18}" + "".join(f"{'conc ' + str(c):>18}" for c in levels))
+    print(f"{'config':<28}" + "".join(f"{'conc ' + str(c):>18}" for c in levels))
     for name in table:
-        row = f"{name:<18}"
+        row = f"{name:<28}"
         report["results"][name] = {}
         for c in levels:
             med = statistics.median(results[name][c])

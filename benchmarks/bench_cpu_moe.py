@@ -157,12 +157,21 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
         stage_ids, stage_w = torch.empty_like(ids[0]), torch.empty_like(w[0]).bfloat16()
         count = torch.tensor([batch], dtype=torch.int32)
         jobs = [layer.host_job(x, stage_ids, stage_w, out, count) for layer in layers]
-        times = []
+        # Prefetch settings A/B: each call runs under every setting in turn (the layer after the
+        # one timed last, so each still starts cold), so that drift weighs on all of them alike.
+        times: dict[tuple[int, int] | None, list[float]] = {pf: [] for pf in args.prefetch}
+        at = 0
         for c in range(args.warmup + args.calls):
-            stage_ids.copy_(ids[c]), stage_w.copy_(w[c])  # untimed, as the D2H copy would be
-            times.append(seconds(jobs[c % len(jobs)].run))
-        median = statistics.median(times[args.warmup:])
-        rows.append(row(shape, f"tandem-{fmt}", batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth))
+            for pf in args.prefetch:
+                if pf is not None:
+                    ce.set_prefetch(*pf)
+                stage_ids.copy_(ids[c]), stage_w.copy_(w[c])  # untimed, as the D2H copy would be
+                times[pf].append(seconds(jobs[at % len(jobs)].run))
+                at += 1
+        for pf, ts in times.items():
+            impl = f"tandem-{fmt}" + ("" if pf is None else f" pf{pf[0]}/{pf[1]}")
+            median = statistics.median(ts[args.warmup:])
+            rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth))
     return rows
 
 
@@ -247,10 +256,10 @@ def bench_torch_int4(shape: Shape, kept: int, args: argparse.Namespace) -> list[
 def print_table(rows: list[dict], bandwidth: float) -> None:
     print(f"\nRAM read bandwidth (same pool), at the start: {bandwidth / 1e9:.1f} GB/s; 'of bw' is against the probe "
           "taken just before each implementation's calls (column 'RAM')")
-    print(f"{'shape':<10} {'impl':<16} {'batch':>5} {'us/call':>9} {'experts':>8} {'MB/call':>8} {'GB/s':>7} "
+    print(f"{'shape':<10} {'impl':<26} {'batch':>5} {'us/call':>9} {'experts':>8} {'MB/call':>8} {'GB/s':>7} "
           f"{'RAM':>6} {'of bw':>6}")
     for r in rows:
-        print(f"{r['shape']:<10} {r['impl']:<16} {r['batch']:>5} {r['median_us']:>9.0f} {r['distinct']:>8.1f} "
+        print(f"{r['shape']:<10} {r['impl']:<26} {r['batch']:>5} {r['median_us']:>9.0f} {r['distinct']:>8.1f} "
               f"{r['mb_per_call']:>8.1f} {r['gbps']:>7.1f} {r['ram_gbps']:>6.1f} {r['share'] * 100:>5.0f}%")
 
 
@@ -269,8 +278,12 @@ def main() -> None:
     p.add_argument("--max-gib", type=float, default=None, help="memory for one run's weights (default 70%% of available)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     p.add_argument("--quick", action="store_true", help="a small shape and few calls: seconds")
+    p.add_argument("--prefetch", default=None, metavar="L1:L2,...",
+                   help="A/B the kernels' software-prefetch distances in bytes (0: off), interleaved per call")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    args.prefetch = [None] if not args.prefetch else [
+        tuple(int(v) for v in pair.split(":")) for pair in args.prefetch.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
     fmts = args.fmt.split(",")
     for fmt in fmts:

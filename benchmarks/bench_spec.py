@@ -78,7 +78,7 @@ def run(device: str, spec: dict | None, concurrency: int, ids: list[list[int]], 
         "tok_s": round(tokens / seconds, 1), "acceptance": acceptance(None),
         "acceptance_by_phase": {ph: acceptance(ph) for ph in PHASES if acceptance(ph)},
         "k_distribution": {ph: v for ph, v in k_dist.items() if v},
-        "target_steps": {m: d.get(f"steps/{m}", 0.0) for m in ("cuda_graph", "eager", "prefill")},
+        "target_steps": {m: d.get(f"steps/{m}", 0.0) for m in ("cuda_graph", "eager", "prefill", "prefill_graph")},
         "drafter_forwards": {m: d.get(f"drafter/{m}", 0.0) for m in ("cuda_graph", "eager")},
         "outputs": [o.token_ids for o in outs],
     }

@@ -37,7 +37,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int
 
     def traced(batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         out = execute(batch, *args, **kwargs)
-        prefilled[0] |= out.mode == "prefill"
+        prefilled[0] |= out.mode in ("prefill", "prefill_graph")
         return out
 
     eng.runner.execute = traced
@@ -62,13 +62,17 @@ def main() -> None:
     ap.add_argument("--spec", default=None, help="--speculative-config JSON (default: none)")
     ap.add_argument("--async-scheduling", choices=("on", "off"), default="on")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=512, help="0: prefill runs eagerly")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=35)
     ap.add_argument("--torch-profile", type=int, default=0, metavar="N", help="also profile N prompts with torch.profiler")
+    ap.add_argument("--profile-max-tokens", type=int, default=None,
+                    help="max_tokens of the torch-profiled prompts (e.g. 2: mostly their prefill)")
+    ap.add_argument("--chrome-trace", type=Path, default=None, help="write the torch profile's trace here")
     args = ap.parse_args()
     llm = LLM(str(demo_model_dir()), device=args.device, kv_cache_memory="1GiB", max_num_seqs=16,
               speculative_config=json.loads(args.spec) if args.spec else None,
-              async_scheduling=args.async_scheduling == "on")
+              async_scheduling=args.async_scheduling == "on", prefill_graph_max_tokens=args.prefill_graph_max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     prompts = workload(args.prompts)
     run(llm, prompts, params)  # warm-up: every prompt length's kernels compiled
@@ -76,7 +80,7 @@ def main() -> None:
     prof.enable()
     tokens, steps, seconds = run(llm, prompts, params)
     prof.disable()
-    print(f"spec {args.spec} async {args.async_scheduling}: {tokens} tokens in {steps} steps, {seconds:.3f} s "
+    print(f"spec {args.spec} async {args.async_scheduling} prefill graphs <= {args.prefill_graph_max_tokens}: {tokens} tokens in {steps} steps, {seconds:.3f} s "
           f"(under cProfile): {tokens / seconds:.0f} tok/s, {1e3 * seconds / steps:.3f} ms a step; "
           f"steps ahead {llm.engine.num_async_steps}")
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
@@ -89,9 +93,19 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        short = SamplingParams(max_tokens=args.profile_max_tokens or args.max_tokens, temperature=0.0)
+        KINDS.clear()
         with profile(activities=activities) as torch_prof:
-            run(llm, prompts[: args.torch_profile], params)
-        print(torch_prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+            tokens, steps, seconds = run(llm, prompts[: args.torch_profile], short)
+        by_kind = ", ".join(f"{k} {n} steps {1e3 * t / n:.2f} ms each" for k, (n, t) in sorted(KINDS.items()))
+        print(f"torch-profiled: {args.torch_profile} prompts, max_tokens {short.max_tokens}: {tokens} tokens, "
+              f"{steps} steps, {1e3 * seconds:.1f} ms ({by_kind})")
+        table = torch_prof.key_averages()
+        print(table.table(sort_by="self_cpu_time_total", row_limit=args.top))
+        if args.device == "cuda":
+            print(table.table(sort_by="self_cuda_time_total", row_limit=args.top))
+        if args.chrome_trace is not None:
+            torch_prof.export_chrome_trace(str(args.chrome_trace))
 
 
 if __name__ == "__main__":

@@ -182,6 +182,9 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests that give none")
     s.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (every step runs eagerly; for debugging)")
+    s.add_argument("--prefill-graph-max-tokens", type=int, default=RunnerConfig.prefill_graph_max_tokens, metavar="N",
+                   help="a step of one request's prompt chunk of up to N tokens replays a CUDA graph (captured at "
+                        "8, 16, .. N tokens; at most --max-num-batched-tokens); 0: prefill runs eagerly")
     _bool_flag(s, "--fused-ops", RunnerConfig.fused_ops,
                "fused Triton kernels for RMSNorm, rotary, SiLU*up, routing and small-batch MoE on CUDA (2.5x "
                "batch-1 decode on an H200); --no-fused-ops runs the torch reference")
@@ -444,7 +447,7 @@ def build_configs(args: argparse.Namespace, model_dir: str, shipped: str | None 
         uvicorn_log_level=args.uvicorn_log_level or args.log_level,
     )
     runner = RunnerConfig(args.attention_backend, args.moe_backend, args.enforce_eager, args.fused_ops,
-                          args.cpu_threads)
+                          args.cpu_threads, args.prefill_graph_max_tokens)
     spec = SpecConfig.parse(args.speculative_config)
     stats_interval = math.inf if args.disable_log_stats else EngineConfig.log_stats_interval
     engine = EngineConfig(model=model, cache=cache, scheduler=scheduler, spec=spec, runner=runner,

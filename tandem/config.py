@@ -93,17 +93,24 @@ class RunnerConfig:
     # torch intra-op threads (--cpu-threads); None: the cores this process may use, less one left
     # for the server's event loop and the engine thread that drives the device.
     cpu_threads: int | None = None
+    # --prefill-graph-max-tokens: a step of one request's prompt chunk up to this many tokens
+    # replays a CUDA graph (query lengths 8, 16, .. this); 0: prefill runs eagerly. An eager
+    # prefill step is ~7 ms of host launches on the demo model, which dwarfs its decode steps.
+    prefill_graph_max_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"--cpu-threads must be at least 1, got {self.cpu_threads}")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(f"--prefill-graph-max-tokens must be 0 (off) or more, got {self.prefill_graph_max_tokens}")
 
     def resolve(self, device: str, dtype: torch.dtype) -> RunnerConfig:
         fast = device == "cuda" and dtype in (torch.bfloat16, torch.float16)
         attn = self.attention_backend if self.attention_backend != "auto" else ("triton" if device == "cuda" else "torch")
         moe = self.moe_executor if self.moe_executor != "auto" else ("grouped" if fast else "torch")
         threads = self.cpu_threads if self.cpu_threads is not None else max(1, usable_cpus() - 1)
-        return RunnerConfig(attn, moe, self.enforce_eager or device != "cuda", self.fused_ops, threads)
+        return RunnerConfig(attn, moe, self.enforce_eager or device != "cuda", self.fused_ops, threads,
+                            self.prefill_graph_max_tokens)
 
 
 def usable_cpus() -> int:

@@ -63,6 +63,7 @@ class LLM:
         stream_experts_min_tokens: int | None = None,
         stream_experts_memory: str | int | None = None,
         async_scheduling: bool | None = None,
+        prefill_graph_max_tokens: int = RunnerConfig.prefill_graph_max_tokens,
     ) -> None:
         """Keyword arguments as `tandem serve`'s flags; `speculative_config` is the
         `--speculative-config` JSON (or its dict), e.g. {"method": "ngram", "num_speculative_tokens": 3}.
@@ -75,7 +76,8 @@ class LLM:
                               enable_prefix_caching, kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling=async_scheduling),
             spec=SpecConfig.parse(speculative_config, max_k),
-            runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops, cpu_threads),
+            runner=RunnerConfig(attention_backend, moe_backend, enforce_eager, fused_ops, cpu_threads,
+                                prefill_graph_max_tokens),
             offload=OffloadConfig(cpu_moe, n_cpu_moe, OffloadConfig.parse_layers(gpu_resident_moe_layers)
                                   if isinstance(gpu_resident_moe_layers, str) else gpu_resident_moe_layers,
                                   cpu_moe_threads, cpu_moe_dtype, hot_experts=hot_experts,

@@ -247,6 +247,8 @@ def test_dspark_steps_ahead_give_the_tokens_without_speculation(prompts_and_refe
     steps = sum(eng.metrics.model_steps.labels(model_name=eng.model_name, mode=m)._value.get()
                 for m in ("eager", "prefill", "cuda_graph"))
     assert eng.num_async_steps > steps / 2
+    if policy["adaptive"] == "off":  # the drafter forwards inside the steps ahead are counted too
+        assert counter(eng, "spec_decode_drafter_steps", mode="eager") > steps / 2
     assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0
     if policy["adaptive"] == "auto":  # what auto expected of each draft, kept by the step until it landed
         predicted = counter(eng, "spec_decode_predicted_accepted_tokens")

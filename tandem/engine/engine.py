@@ -193,7 +193,7 @@ class LLMEngine(AheadSteps):
         if self.spec is not None:  # first: a step ahead's graphs read the drafter's ring
             self.spec.capture(max_num_seqs, self.max_model_len)
         ahead = self._spec_ahead if self.config.scheduler.async_scheduling is not False else None
-        self.runner.capture(max_num_seqs, families, self.max_model_len, ahead)
+        self.runner.capture(max_num_seqs, families, self.max_model_len, ahead, startup.prefill_graph_lens(self))
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:

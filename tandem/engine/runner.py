@@ -15,6 +15,12 @@ and its logits row is dropped; the attention kernels place query row j at cache 
 seq_len - q + j, so with seq_len padded by as much the real rows keep their positions and their
 causal masks, and never see a pad.
 
+A step of one request with a longer query (a prompt, or its chunk) replays a prefill graph,
+`prefill_graphs[q]` for the smallest captured q >= its tokens, padded the same way. A prefill
+graph computes the logits of one row only (the request's last real token, an input it reads):
+all q rows' logits would cost a vocabulary-wide row per pad. Eager, such a step costs the host
+~7 ms on the demo model (one launch per kernel from Python); replayed, a fraction of that.
+
 A runner built with `aux_layers` (a drafter that reads the target's hidden states: DSpark) also
 returns those layers' outputs for every real query token of the step, packed in batch order.
 """
@@ -77,6 +83,13 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, repeats: in
     return (time.perf_counter() - start) / repeats
 
 
+def prefill_buckets(max_tokens: int, min_tokens: int = 8) -> tuple[int, ...]:
+    """Query lengths of the prefill graphs: powers of two from `min_tokens` up to `max_tokens`, and
+    `max_tokens` itself (none when it is below `min_tokens`)."""
+    sizes = {1 << i for i in range(max_tokens.bit_length()) if min_tokens <= 1 << i <= max_tokens}
+    return tuple(sorted(sizes | ({max_tokens} if max_tokens >= min_tokens else set())))
+
+
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Batch sizes graphs are captured for: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
     sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs} | set(range(16, max_num_seqs + 1, 16))
@@ -86,7 +99,7 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket * q, V] float32, the graph's output
+    logits: torch.Tensor  # [bucket * q, V] float32, the graph's output (a prefill graph: [1, V])
     aux: torch.Tensor | None  # [bucket * q, F]: the aux layers' outputs, with aux_layers
 
 
@@ -97,8 +110,10 @@ class ForwardOutput:
     # [R, V] float32: each request's `num_logits` rows, in batch order. After a graph replay this may
     # be a view of the graph's output: valid until the runner's next forward.
     logits: torch.Tensor
-    # How it ran: "cuda_graph"; "prefill" (a step with a prefill chunk: eager by design); "eager"
-    # (a decode or verify step that ran eagerly: graphs are off, or none fits its shape).
+    # How it ran: "cuda_graph"; "prefill_graph" (a step with a prefill chunk, replayed from a
+    # prefill graph); "prefill" (a step with a prefill chunk, eager: several requests, or longer
+    # than the prefill graphs); "eager" (a decode or verify step that ran eagerly: graphs are off,
+    # or none fits its shape).
     mode: str
     # [T, F] with aux_layers: the aux layers' outputs (concatenated) of every real query token, in
     # batch order (request i's `num_tokens` rows, draft tokens included); else None.
@@ -119,6 +134,7 @@ class ModelRunner(AheadRunning):
         self.block_size = kv.block_size
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.ahead_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, q, sampled): ahead
+        self.prefill_graphs: dict[int, _Graph] = {}  # q: one request's prefill chunk of up to q tokens
         self.buckets: tuple[int, ...] = ()
         self._warned: set[tuple[int, int]] = set()  # step shapes that fell back to eager
         # Routed experts in RAM (tandem/offload/cpu_executor.py): before a replay, the real rows of
@@ -274,6 +290,9 @@ class ModelRunner(AheadRunning):
         key = self._graph_key(batch)
         if key is not None:
             return self._replay(batch, key, pending)
+        q = self._prefill_key(batch)
+        if q is not None:
+            return self._replay_prefill(batch[0], q)
         if self.graphs and not prefill:
             self._warn_fallback(batch)
         input_ids, positions, step = self.build_step(batch, pending)
@@ -306,16 +325,40 @@ class ModelRunner(AheadRunning):
             return None
         return bucket, q
 
+    def _prefill_key(self, batch: list[ScheduledRequest]) -> int | None:
+        """The prefill graph of a step of one request (at most one logits row): the smallest q that
+        holds its query, if its table can take the pads' blocks. None: no such graph."""
+        if not self.prefill_graphs or len(batch) != 1:
+            return None
+        s = batch[0]
+        q = next((q for q in self.prefill_graphs if q >= s.num_tokens), None)  # ascending
+        if q is None or s.num_logits > 1 or s.input_row is not None:
+            return None
+        # `_stage_inputs` widens its block tables by the pads' blocks: they must fit the static ones.
+        own = max(len(self.kv.block_ids(s.request.request_id, g)) for g in range(len(self.kv.groups)))
+        width = own + max(1, -(-(q - s.num_tokens) // self.block_size))
+        return q if width <= self._tables[0].shape[1] else None
+
+    def _replay_prefill(self, s: ScheduledRequest, q: int) -> ForwardOutput:
+        """Replay the prefill graph `q` for request `s`'s chunk: its real rows first, then pads."""
+        self._stage_inputs([s], 1, q, extra={"logits_row": [s.num_tokens - 1]})
+        entry = self.prefill_graphs[q]
+        entry.graph.replay()
+        aux = None if entry.aux is None else entry.aux[: s.num_tokens]
+        return ForwardOutput(entry.logits[: s.num_logits], "prefill_graph", aux)
+
     # -- CUDA graphs ----------------------------------------------------------------------------
     def capture(self, max_num_seqs: int, families: dict[str, tuple[int, ...]], max_model_len: int,
-                ahead: AheadHooks | None = None) -> None:
+                ahead: AheadHooks | None = None, prefill: tuple[int, ...] = ()) -> None:
         """Capture a graph for every (batch bucket, query length) of every family (a name for the
         log, e.g. "decode": (1,), "verify": (2, 3)). Logs each family's shapes and progress. With
-        `ahead`, also the speculative steps ahead at every query length (`execute_ahead`)."""
+        `ahead`, also the speculative steps ahead at every query length (`execute_ahead`); with
+        `prefill`, one request's prefill graph at each of those query lengths."""
         self.buckets = batch_buckets(max_num_seqs)
         max_q = max(q for lens in families.values() for q in lens)
         self._allocate_static(self.buckets[-1], max_q, -(-max_model_len // self.block_size) + 1,
-                              ahead_rows=ahead.zero_row if ahead is not None else None)
+                              ahead_rows=ahead.zero_row if ahead is not None else None,
+                              min_tokens=max(prefill, default=0))
         dev = self.device
         pool = torch.cuda.graph_pool_handle()
         start, total = time.perf_counter(), 0
@@ -339,14 +382,24 @@ class ModelRunner(AheadRunning):
                     logger.info("Capturing CUDA graphs (verify ahead): %d/%d (batch %d, query len %d)", i + 1,
                                 len(shapes), b, q)
                 total += len(shapes) + self._capture_ahead_sampled(shapes, pool, ahead, max(query_lens))
+            if prefill:
+                logger.info("Capturing CUDA graphs (prefill): %d shapes, batch 1 x query lengths %s", len(prefill),
+                            list(prefill))
+                for i, q in enumerate(sorted(prefill, reverse=True)):  # largest first: pool reuse
+                    self.prefill_graphs[q] = self._capture_prefill(q, pool)
+                    logger.info("Capturing CUDA graphs (prefill): %d/%d (query len %d)", i + 1, len(prefill), q)
+                self.prefill_graphs = dict(sorted(self.prefill_graphs.items()))  # ascending: `_prefill_key`
+                total += len(prefill)
         torch.cuda.synchronize(dev)
         logger.info("Captured %d CUDA graphs in %.1f s", total, time.perf_counter() - start)
 
-    def _allocate_static(self, max_b: int, max_q: int, max_blocks: int, ahead_rows: int | None = None) -> None:
+    def _allocate_static(self, max_b: int, max_q: int, max_blocks: int, ahead_rows: int | None = None,
+                         min_tokens: int = 0) -> None:
         """The static inputs every graph reads (replay stages the step's values into their
         prefixes, see StaticInputs), also what `measure` runs eager forwards on; block tables and
-        slots all point at the sink block."""
-        n_groups, tokens = len(self.kv.groups), max_b * max_q
+        slots all point at the sink block. Token inputs hold max_b * max_q rows, or `min_tokens`
+        (the longest prefill graph's) if more."""
+        n_groups, tokens = len(self.kv.groups), max(max_b * max_q, min_tokens)
         sinks = [self.kv.null_block(g) for g in range(n_groups)]  # each group's sink row
         # Compressed groups' state (StepMetadata.state_slots ...), all at the sinks.
         stateful = [g.spec.has_state for g in self.kv.groups]
@@ -355,7 +408,8 @@ class ModelRunner(AheadRunning):
                             "request_state_slots": [self.kv.num_state_slots] * n_groups,
                             "snapshot_slots": null_snapshots, "restore_ids": [-1] * n_groups}
         regions = {"ids": (tokens, torch.int64, 0), "pos": (tokens, torch.int64, 0),
-                   "qsl": (max_b + 1, torch.int32, 0), "seq": (max_b, torch.int32, 1)}
+                   "qsl": (max_b + 1, torch.int32, 0), "seq": (max_b, torch.int32, 1),
+                   "logits_row": (1, torch.int64, 0)}  # a prefill graph's one logits row
         regions |= {f"slots/{g}": (tokens, torch.int64, sink * self.block_size) for g, sink in enumerate(sinks)}
         for name, pads in self._state_pads.items():
             size = tokens if name in _PER_TOKEN else max_b
@@ -367,6 +421,7 @@ class ModelRunner(AheadRunning):
         view = self._static.device
         self._ids, self._pos = view["ids"], view["pos"]  # [max_b * max_q] int64
         self._qsl, self._seq = view["qsl"], view["seq"]  # [max_b + 1], [max_b] int32
+        self._logits_row = view["logits_row"]  # [1] int64
         self._tables = self._static.tables  # per group [max_b, max_blocks] int32
         self._slots = [view[f"slots/{g}"] for g in range(n_groups)]  # per group [max_b * max_q] int64
         self._state = {name: [view.get(f"{name}/{g}") for g in range(n_groups)] for name in self._state_pads}
@@ -410,6 +465,24 @@ class ModelRunner(AheadRunning):
         with torch.cuda.graph(graph, pool=pool):
             hidden, aux = self._forward(ids, pos, step)
             logits = self.model.compute_logits(hidden)
+        return _Graph(graph, logits, aux)
+
+    def _capture_prefill(self, q: int, pool: tuple[int, int]) -> _Graph:
+        """One request's prefill chunk of up to q tokens; logits of row `_logits_row` only."""
+        self._fill_static_pattern(1, q)
+        step = self._static_step(1, q)
+        ids, pos = self._ids[:q], self._pos[:q]
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden, aux = self._forward(ids, pos, step)
+            return self.model.compute_logits(hidden.index_select(0, self._logits_row)), aux
+
+        for _ in range(2):  # warm up: Triton JIT and allocator, outside the graph
+            forward()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits, aux = forward()
         return _Graph(graph, logits, aux)
 
     def _fill_static_pattern(self, b: int, q: int) -> None:
@@ -485,11 +558,13 @@ class ModelRunner(AheadRunning):
         host["qsl"][: bucket + 1] = range(0, (bucket + 1) * q, q)
         host["seq"][:bucket] = [length + q - s.num_tokens for length, s in zip(seq_lens, batch)] + [q] * (bucket - n)
         corners = []
+        # Rows are read up to ceil(padded seq_len / block_size) entries: pads may reach past the
+        # request's own blocks (one block for a verify's, more for a prefill graph's), which hold
+        # the sink; padded batch rows hold only the sink.
+        extra_blocks = max(1, -(-max(q - s.num_tokens for s in batch) // self.block_size))
         for g, rows in enumerate(tables):
             host[f"slots/{g}"][:tokens] = slot_rows[g] + [sinks[g] * self.block_size] * pad_tokens
-            # Rows are read up to ceil(padded seq_len / block_size) entries: a pad may reach one block
-            # past the request's own, which holds the sink; padded batch rows hold only the sink.
-            width = max(len(t) for t in rows) + 1
+            width = max(len(t) for t in rows) + extra_blocks
             packed: list[int] = []
             for t in rows:
                 packed += t

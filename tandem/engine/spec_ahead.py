@@ -317,6 +317,8 @@ class SpecAhead:
         batch = [ScheduledRequest(r, s, 1 + k, True, (0,) * k, input_row=i)
                  for i, (r, s, k) in enumerate(zip(reqs, starts, ks))]
         mode = self.runner.execute_ahead(batch, meta, self, sampled)
+        if any(ks):  # the drafter's block forward ran inside the step (`before`: its graph, or eagerly)
+            self.proposer.count_forward("cuda_graph" if mode == "cuda_graph" else "eager")
         rows = self.results[:n]
         host, copied = rows, None
         if self.device.type == "cuda":

@@ -13,7 +13,7 @@ import torch
 from tandem.attention import get_attention_backend
 from tandem.config import DEFAULT_BATCHED_TOKENS, EngineConfig, RunnerConfig, SpecConfig, usable_cpus
 from tandem.core import Request, SamplingParams
-from tandem.engine.runner import ModelRunner, allocate_kv_caches
+from tandem.engine.runner import ModelRunner, allocate_kv_caches, prefill_buckets
 from tandem.kv.groups import group_blocks
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import CacheGroup, group_layers, page_dtype_of, with_page_dtype
@@ -235,6 +235,27 @@ def graph_blockers(model: CausalLM, rc: RunnerConfig) -> list[str]:
         blockers.append(f"the hot experts' executor {sorted(hot - CAPTURABLE_MOE)[0]!r} (--dtype bfloat16 uses "
                         "'grouped')")
     return blockers
+
+
+def prefill_graph_lens(engine: LLMEngine) -> tuple[int, ...]:
+    """The query lengths of the prefill graphs to capture (--prefill-graph-max-tokens, at most
+    --max-num-batched-tokens and the context); () when off or the model's step cannot take them,
+    logged once: routed experts on the CPU (their kernel is sized by the padded batch) and KV
+    groups other than full attention (their state per token takes no pads beyond a verify's)."""
+    cap = min(engine.runner_config.prefill_graph_max_tokens, engine.config.scheduler.batched_tokens,
+              engine.max_model_len)
+    if cap <= 0:
+        return ()
+    why = []
+    if getattr(engine.model, "cpu_experts", None) is not None:
+        why.append("routed experts run on the CPU")
+    other = sorted({g.spec.kind for g in engine.kv.groups} - {"full"})
+    if other:
+        why.append(f"KV cache groups of kind {', '.join(other)}")
+    if why:
+        logger.info("Prefill CUDA graphs off: %s; prompts prefill eagerly", " and ".join(why))
+        return ()
+    return prefill_buckets(cap)
 
 
 def log_ready(engine: LLMEngine, num_blocks: int | tuple[int, ...], block_size: int) -> None:

@@ -145,6 +145,12 @@ def set_threads(n: int) -> None:
     _lib().tandem_set_threads(n)
 
 
+def set_prefetch(l1: int, l2: int) -> None:
+    """The AVX-512 kernels' software-prefetch distances, in bytes ahead of the weight stream
+    (0: off; -1: the default). A tuning switch (TANDEM_CPU_PREFETCH_L1 / _L2 set it at load)."""
+    _lib().tandem_set_prefetch(l1, l2)
+
+
 def num_threads() -> int:
     return _lib().tandem_num_threads()
 

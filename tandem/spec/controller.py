@@ -129,7 +129,7 @@ class SpecDecoder:
         def count(mode: str) -> None:
             assert spec is not None
             spec.drafter_forwards[mode] = spec.drafter_forwards.get(mode, 0) + 1
-            spec._drafter_prefilled |= mode == "prefill"
+            spec._drafter_prefilled |= mode in ("prefill", "prefill_graph")
 
         proposer: Proposer
         path: Path | None = None
