@@ -25,79 +25,113 @@ def test_a_negative_prefill_graph_cap_is_refused_naming_the_flag():
         RunnerConfig(prefill_graph_max_tokens=-1)
 
 
-def _prefill(llm: LLM, rid: str, prompt: list[int]):  # noqa: ANN202 - (graph ForwardOutput, eager logits, eager aux)
-    """Run one prefill chunk of `prompt` through the runner (graph) and eagerly, as the engine would."""
-    from tandem.engine.scheduler import ScheduledRequest
-
+def _graph_and_eager(llm: LLM, batch: list):  # noqa: ANN202 - (graph ForwardOutput, eager logits, eager aux)
+    """Run one step's batch through the runner (a graph) and eagerly, as the engine would."""
     eng = llm.engine
-    req = eng.new_request(rid, prompt, SamplingParams(max_tokens=4, temperature=0.0))
-    assert eng.kv.allocate_slots(req, len(prompt))
-    s = ScheduledRequest.of(req, len(prompt))
-    out = eng.runner.execute([s])
-    ids, pos, step = eng.runner.build_step([s])
+    out = eng.runner.execute(batch)
+    ids, pos, step = eng.runner.build_step(batch)
     with torch.inference_mode():
         hidden, aux = eng.runner._forward(ids, pos, step)
         logits = eng.model.compute_logits(hidden[step.logits_indices])
-    eng.kv.free(req)
     return out, logits, aux
+
+
+def _new(llm: LLM, rid: str, prompt: list[int]):  # noqa: ANN202 - a Request with slots for its prompt
+    req = llm.engine.new_request(rid, prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    assert llm.engine.kv.allocate_slots(req, len(prompt))
+    return req
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
 
 
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
-def test_on_cuda_a_prefill_replays_its_graph_and_gives_the_eager_logits_and_tokens(tmp_path, kind):
-    """Prompts of 6 .. 300 tokens replay the graph of the next captured length (their pads write
-    only the sink, reach past the request's blocks, and leave the logits of its last token as the
-    eager forward's); a prompt longer than the cap, and one of several requests, prefill eagerly;
-    a chunked prompt's chunks replay graphs too. Greedy tokens equal those of an engine without
-    prefill graphs (fp32 for the dense model; the MoE model's grouped experts need bf16)."""
+def test_on_cuda_prefill_steps_replay_their_graph_and_give_the_eager_logits_and_tokens(tmp_path, kind):
+    """A prompt of 6 .. 200 tokens alone, and a step of two prompts' chunks beside a decode, replay
+    the graph of the next captured total (ragged queries, pads at the end of the last one, which
+    reach past its blocks) and give the eager forward's logits rows; a step above the cap, or
+    with more logits rows than the shared buffer holds, prefills eagerly. Greedy tokens equal those
+    of an engine without prefill graphs, one request at a time, chunked, and all at once (fp32 for
+    the dense model; the MoE model's grouped experts need bf16)."""
+    from tandem.engine.scheduler import ScheduledRequest
+    from test_gpu import _count
+
     save_tiny_model(tmp_path, kind, seed=5)
     dtype = "float32" if kind == "qwen3" else "bfloat16"
     common = dict(device="cuda", dtype=dtype, kv_cache_memory="256MiB", max_num_seqs=4, async_scheduling=False)
     llm = LLM(str(tmp_path), prefill_graph_max_tokens=256, **common)
-    runner = llm.engine.runner
-    assert list(runner.prefill_graphs) == [8, 16, 32, 64, 128, 256]
+    eng = llm.engine
+    assert list(eng.runner.prefill_graphs) == [8, 16, 32, 64, 128, 256]
     g = torch.Generator().manual_seed(1)
     tol = 1e-4 if dtype == "float32" else 5e-2
-    for i, n in enumerate((6, 17, 64, 200)):
-        prompt = torch.randint(10, 2000, (n,), generator=g).tolist()
-        out, want, _ = _prefill(llm, f"p{i}", prompt)
-        assert out.mode == "prefill_graph" and out.logits.shape == want.shape == (1, want.shape[1])
-        torch.testing.assert_close(out.logits, want, atol=tol * want.abs().max().item(), rtol=tol)
-        assert out.logits.argmax(-1).item() == want.argmax(-1).item()
-    out, _, _ = _prefill(llm, "long", torch.randint(10, 2000, (300,), generator=g).tolist())
-    assert out.mode == "prefill"  # above the cap
 
-    prompts = [torch.randint(10, 2000, (n,), generator=g).tolist() for n in (9, 40, 130, 300)]
+    def prompt(n: int) -> list[int]:
+        return torch.randint(10, 2000, (n,), generator=g).tolist()
+
+    for i, n in enumerate((6, 17, 64, 200)):
+        req = _new(llm, f"p{i}", prompt(n))
+        out, want, _ = _graph_and_eager(llm, [ScheduledRequest.of(req, n)])
+        assert out.mode == "prefill_graph" and out.logits.shape == (1, want.shape[1])
+        _close(out.logits, want, tol)
+        assert out.logits.argmax(-1).item() == want.argmax(-1).item()
+        eng.kv.free(req)
+    # A request decodes its token beside a 20-token chunk and a whole 33-token prompt: 54 tokens -> 64
+    first = _new(llm, "q0", prompt(6))
+    eng.runner.execute([ScheduledRequest.of(first, 6)])
+    first.num_computed_tokens = 6
+    first.output_token_ids.append(5)
+    assert eng.kv.allocate_slots(first, 1)
+    second, third = _new(llm, "q1", prompt(50)), _new(llm, "q2", prompt(33))
+    batch = [ScheduledRequest.of(first, 1), ScheduledRequest(second, 0, 20, False), ScheduledRequest.of(third, 33)]
+    out, want, _ = _graph_and_eager(llm, batch)
+    assert out.mode == "prefill_graph" and want.shape[0] == 2  # the decode's row and the whole prompt's last
+    _close(out.logits, want, tol)
+    assert (out.logits.argmax(-1) == want.argmax(-1)).all()
+    for r in (first, second, third):
+        eng.kv.free(r)
+    req = _new(llm, "long", prompt(300))
+    assert _graph_and_eager(llm, [ScheduledRequest.of(req, 300)])[0].mode == "prefill"  # above the cap
+    eng.kv.free(req)
+
+    prompts = [prompt(n) for n in (9, 40, 130, 300)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     eager = LLM(str(tmp_path), prefill_graph_max_tokens=0, **common)
     assert not eager.engine.runner.prefill_graphs
     chunked = LLM(str(tmp_path), prefill_graph_max_tokens=64, max_num_batched_tokens=64, **common)
-    for batch in ([p] for p in prompts):  # one request at a time: every prefill step of one request
-        want = [o.token_ids for o in eager.generate(batch, params)]
-        assert [o.token_ids for o in llm.generate(batch, params)] == want
-        assert [o.token_ids for o in chunked.generate(batch, params)] == want
-    from test_gpu import _count
-
+    for one in ([p] for p in prompts):  # one request at a time
+        want = [o.token_ids for o in eager.generate(one, params)]
+        assert [o.token_ids for o in llm.generate(one, params)] == want
+        assert [o.token_ids for o in chunked.generate(one, params)] == want
     assert _count(llm, "model_steps", "prefill_graph") == 3  # 9, 40, 130 tokens; 300 > 256
-    assert _count(chunked, "model_steps", "prefill_graph") >= 1 + 1 + 3  # the 300-token prompt: 5 chunks
+    assert _count(chunked, "model_steps", "prefill_graph") >= 1 + 1 + 3 + 5  # in chunks of 64 tokens
     assert _count(eager, "model_steps", "prefill_graph") == 0
-    both = [o.token_ids for o in llm.generate(prompts[:2], params)]  # two prompts in one step: eager
-    assert both == [o.token_ids for o in eager.generate(prompts[:2], params)]
+    before = _count(llm, "model_steps", "prefill_graph")
+    want = [o.token_ids for o in eager.generate(prompts[:3], params)]
+    assert [o.token_ids for o in llm.generate(prompts[:3], params)] == want  # 179 tokens in one step: 256
+    assert _count(llm, "model_steps", "prefill_graph") > before
 
 
 @cuda
 @pytest.mark.gpu
 def test_on_cuda_a_dspark_prefill_graph_returns_the_eager_aux_rows():
     """With DSpark the prefill graph also returns the aux layers' outputs of the real rows (what
-    the drafter's window is filled from), as the eager forward gives them (bf16 demo)."""
+    the drafter's window is filled from), as the eager forward gives them (bf16 demo), for one
+    prompt and for two in one step."""
     from tandem.builtin import demo_model_dir
+    from tandem.engine.scheduler import ScheduledRequest
 
     llm = LLM(str(demo_model_dir()), device="cuda", kv_cache_memory="256MiB", max_num_seqs=4, async_scheduling=False,
               speculative_config={"method": "dspark", "num_speculative_tokens": 3})
     assert llm.engine.runner.prefill_graphs
     g = torch.Generator().manual_seed(2)
-    out, want, aux = _prefill(llm, "d", torch.randint(10, 4000, (45,), generator=g).tolist())
-    assert out.mode == "prefill_graph" and out.aux is not None and out.aux.shape == aux.shape == (45, aux.shape[1])
-    torch.testing.assert_close(out.aux.float(), aux.float(), atol=5e-2 * aux.abs().max().item(), rtol=5e-2)
-    torch.testing.assert_close(out.logits, want, atol=5e-2 * want.abs().max().item(), rtol=5e-2)
+    reqs = [_new(llm, f"d{i}", torch.randint(10, 4000, (n,), generator=g).tolist()) for i, n in enumerate((45, 12))]
+    for batch in ([ScheduledRequest.of(reqs[0], 45)], [ScheduledRequest.of(r, r.num_tokens) for r in reqs]):
+        out, want, aux = _graph_and_eager(llm, batch)
+        total = sum(s.num_tokens for s in batch)
+        assert out.mode == "prefill_graph" and out.aux is not None and aux.shape == (total, out.aux.shape[1])
+        _close(out.aux, aux, 5e-2)
+        _close(out.logits, want, 5e-2)

@@ -15,11 +15,14 @@ and its logits row is dropped; the attention kernels place query row j at cache 
 seq_len - q + j, so with seq_len padded by as much the real rows keep their positions and their
 causal masks, and never see a pad.
 
-A step of one request with a longer query (a prompt, or its chunk) replays a prefill graph,
-`prefill_graphs[q]` for the smallest captured q >= its tokens, padded the same way. A prefill
-graph computes the logits of one row only (the request's last real token, an input it reads):
-all q rows' logits would cost a vocabulary-wide row per pad. Eager, such a step costs the host
-~7 ms on the demo model (one launch per kernel from Python); replayed, a fraction of that.
+A step with prefill work (prompt chunks, alone or beside decodes and verifies) replays a
+prefill graph, keyed by total query tokens: `prefill_graphs[T]` for the smallest captured T >=
+the step's tokens. Its requests' queries are packed as they come (ragged), the pads go at the end
+of the last request's query (the same rule as above), and the graph's batch rows are all
+max_num_seqs seats: a seat without a request has an empty query, and the attention kernel's
+programs for it return at once. It computes the logits of the rows the step needs only (an input
+it reads), into one buffer all prefill graphs share. Eager, such a step costs the host ~7-13 ms
+on the demo model (one launch per kernel from Python); replayed, well under one.
 
 A runner built with `aux_layers` (a drafter that reads the target's hidden states: DSpark) also
 returns those layers' outputs for every real query token of the step, packed in batch order.
@@ -99,7 +102,7 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket * q, V] float32, the graph's output (a prefill graph: [1, V])
+    logits: torch.Tensor  # [bucket * q, V] float32, the graph's output (a prefill graph's: the shared rows)
     aux: torch.Tensor | None  # [bucket * q, F]: the aux layers' outputs, with aux_layers
 
 
@@ -111,9 +114,9 @@ class ForwardOutput:
     # be a view of the graph's output: valid until the runner's next forward.
     logits: torch.Tensor
     # How it ran: "cuda_graph"; "prefill_graph" (a step with a prefill chunk, replayed from a
-    # prefill graph); "prefill" (a step with a prefill chunk, eager: several requests, or longer
-    # than the prefill graphs); "eager" (a decode or verify step that ran eagerly: graphs are off,
-    # or none fits its shape).
+    # prefill graph); "prefill" (a step with a prefill chunk, eager: more tokens or logits rows
+    # than the prefill graphs take); "eager" (a decode or verify step that ran eagerly: graphs
+    # are off, or none fits its shape).
     mode: str
     # [T, F] with aux_layers: the aux layers' outputs (concatenated) of every real query token, in
     # batch order (request i's `num_tokens` rows, draft tokens included); else None.
@@ -134,7 +137,8 @@ class ModelRunner(AheadRunning):
         self.block_size = kv.block_size
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.ahead_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, q, sampled): ahead
-        self.prefill_graphs: dict[int, _Graph] = {}  # q: one request's prefill chunk of up to q tokens
+        self.prefill_graphs: dict[int, _Graph] = {}  # T: a step with prefill work of up to T tokens, ascending
+        self._prefill_logits: torch.Tensor | None = None  # [rows, V] float32, written by every prefill graph
         self.buckets: tuple[int, ...] = ()
         self._warned: set[tuple[int, int]] = set()  # step shapes that fell back to eager
         # Routed experts in RAM (tandem/offload/cpu_executor.py): before a replay, the real rows of
@@ -290,9 +294,9 @@ class ModelRunner(AheadRunning):
         key = self._graph_key(batch)
         if key is not None:
             return self._replay(batch, key, pending)
-        q = self._prefill_key(batch)
-        if q is not None:
-            return self._replay_prefill(batch[0], q)
+        total = self._prefill_key(batch) if prefill else None
+        if total is not None:
+            return self._replay_prefill(batch, total, pending)
         if self.graphs and not prefill:
             self._warn_fallback(batch)
         input_ids, positions, step = self.build_step(batch, pending)
@@ -326,26 +330,56 @@ class ModelRunner(AheadRunning):
         return bucket, q
 
     def _prefill_key(self, batch: list[ScheduledRequest]) -> int | None:
-        """The prefill graph of a step of one request (at most one logits row): the smallest q that
-        holds its query, if its table can take the pads' blocks. None: no such graph."""
-        if not self.prefill_graphs or len(batch) != 1:
+        """The prefill graph of a step: the smallest captured T that holds its query tokens, if its
+        logits rows fit the shared buffer and its block tables can take the pads' blocks. None:
+        no such graph."""
+        if not self.prefill_graphs:
             return None
-        s = batch[0]
-        q = next((q for q in self.prefill_graphs if q >= s.num_tokens), None)  # ascending
-        if q is None or s.num_logits > 1 or s.input_row is not None:
+        total = sum(s.num_tokens for s in batch)
+        t = next((t for t in self.prefill_graphs if t >= total), None)  # ascending
+        if t is None or sum(s.num_logits for s in batch) > self.prefill_graphs[t].logits.shape[0]:
             return None
-        # `_stage_inputs` widens its block tables by the pads' blocks: they must fit the static ones.
-        own = max(len(self.kv.block_ids(s.request.request_id, g)) for g in range(len(self.kv.groups)))
-        width = own + max(1, -(-(q - s.num_tokens) // self.block_size))
-        return q if width <= self._tables[0].shape[1] else None
+        # `_stage_prefill` widens its block tables by the pads' blocks: they must fit the static ones.
+        own = max(len(self.kv.block_ids(s.request.request_id, g)) for s in batch for g in range(len(self.kv.groups)))
+        return t if own + max(1, -(-(t - total) // self.block_size)) <= self._tables[0].shape[1] else None
 
-    def _replay_prefill(self, s: ScheduledRequest, q: int) -> ForwardOutput:
-        """Replay the prefill graph `q` for request `s`'s chunk: its real rows first, then pads."""
-        self._stage_inputs([s], 1, q, extra={"logits_row": [s.num_tokens - 1]})
-        entry = self.prefill_graphs[q]
+    def _replay_prefill(self, batch: list[ScheduledRequest], t: int, pending: torch.Tensor | None) -> ForwardOutput:
+        """Replay prefill graph `t` for the batch (see the module docstring)."""
+        num_logits, rows = self._stage_prefill(batch, t)
+        self._fill_pending(self._ids, batch, rows, pending)
+        entry = self.prefill_graphs[t]
         entry.graph.replay()
-        aux = None if entry.aux is None else entry.aux[: s.num_tokens]
-        return ForwardOutput(entry.logits[: s.num_logits], "prefill_graph", aux)
+        aux = None if entry.aux is None else entry.aux[: sum(s.num_tokens for s in batch)]
+        return ForwardOutput(entry.logits[:num_logits], "prefill_graph", aux)
+
+    def _stage_prefill(self, batch: list[ScheduledRequest], t: int) -> tuple[int, list[int]]:
+        """Stage a prefill graph's inputs: the batch's queries packed, t minus their tokens pads at
+        the end of the last one, empty queries for the seats without a request, the rows whose
+        logits the step needs. Returns how many of those rows there are, and each request's first
+        query row."""
+        static, host, n = self._static, self._static.host, len(batch)
+        input_ids, positions, query_start, seq_lens, logits_rows, slots, tables = self._host_inputs(batch)
+        seats, pad, bs = self._seq.shape[0], t - query_start[-1], self.block_size
+        rows = self.prefill_graphs[t].logits.shape[0]
+        static.wait()  # the last upload has read the host staging
+        host["ids"][:t] = input_ids + [0] * pad
+        host["pos"][:t] = positions + [positions[-1]] * pad  # a pad's position is never read back
+        host["qsl"][: seats + 1] = query_start[:-1] + [t] * (seats + 1 - n)
+        host["seq"][:seats] = seq_lens[:-1] + [seq_lens[-1] + pad] + [0] * (seats - n)
+        host["logits_rows"][:rows] = logits_rows + [0] * (rows - len(logits_rows))
+        corners = []
+        extra_blocks = max(1, -(-pad // bs))  # the pads' reach past the last request's blocks (the sink)
+        for g, per_request in enumerate(tables):
+            sink = self.kv.null_block(g)
+            host[f"slots/{g}"][:t] = slots[g] + [sink * bs] * pad
+            width = max(len(ids) for ids in per_request) + extra_blocks
+            packed: list[int] = []
+            for ids in per_request:  # a seat without a request is never read: its query is empty
+                packed += ids + [sink] * (width - len(ids))
+            static.table_host(g, n, width)[:] = packed
+            corners.append((n, width))
+        static.upload(corners)
+        return len(logits_rows), query_start[:-1]
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def capture(self, max_num_seqs: int, families: dict[str, tuple[int, ...]], max_model_len: int,
@@ -358,7 +392,8 @@ class ModelRunner(AheadRunning):
         max_q = max(q for lens in families.values() for q in lens)
         self._allocate_static(self.buckets[-1], max_q, -(-max_model_len // self.block_size) + 1,
                               ahead_rows=ahead.zero_row if ahead is not None else None,
-                              min_tokens=max(prefill, default=0))
+                              min_tokens=max(prefill, default=0), logits_rows=min(max(prefill, default=0),
+                                                                                   self.buckets[-1] * max_q))
         dev = self.device
         pool = torch.cuda.graph_pool_handle()
         start, total = time.perf_counter(), 0
@@ -383,22 +418,23 @@ class ModelRunner(AheadRunning):
                                 len(shapes), b, q)
                 total += len(shapes) + self._capture_ahead_sampled(shapes, pool, ahead, max(query_lens))
             if prefill:
-                logger.info("Capturing CUDA graphs (prefill): %d shapes, batch 1 x query lengths %s", len(prefill),
-                            list(prefill))
-                for i, q in enumerate(sorted(prefill, reverse=True)):  # largest first: pool reuse
-                    self.prefill_graphs[q] = self._capture_prefill(q, pool)
-                    logger.info("Capturing CUDA graphs (prefill): %d/%d (query len %d)", i + 1, len(prefill), q)
+                logger.info("Capturing CUDA graphs (prefill): %d shapes, up to %d requests x total query tokens %s",
+                            len(prefill), self.buckets[-1], list(prefill))
+                for i, t in enumerate(sorted(prefill, reverse=True)):  # largest first: pool reuse
+                    self.prefill_graphs[t] = self._capture_prefill(t, pool)
+                    logger.info("Capturing CUDA graphs (prefill): %d/%d (%d tokens)", i + 1, len(prefill), t)
                 self.prefill_graphs = dict(sorted(self.prefill_graphs.items()))  # ascending: `_prefill_key`
                 total += len(prefill)
         torch.cuda.synchronize(dev)
         logger.info("Captured %d CUDA graphs in %.1f s", total, time.perf_counter() - start)
 
     def _allocate_static(self, max_b: int, max_q: int, max_blocks: int, ahead_rows: int | None = None,
-                         min_tokens: int = 0) -> None:
+                         min_tokens: int = 0, logits_rows: int = 1) -> None:
         """The static inputs every graph reads (replay stages the step's values into their
         prefixes, see StaticInputs), also what `measure` runs eager forwards on; block tables and
         slots all point at the sink block. Token inputs hold max_b * max_q rows, or `min_tokens`
-        (the longest prefill graph's) if more."""
+        (the longest prefill graph's) if more; `logits_rows`: the most rows a prefill graph
+        computes logits for."""
         n_groups, tokens = len(self.kv.groups), max(max_b * max_q, min_tokens)
         sinks = [self.kv.null_block(g) for g in range(n_groups)]  # each group's sink row
         # Compressed groups' state (StepMetadata.state_slots ...), all at the sinks.
@@ -409,7 +445,7 @@ class ModelRunner(AheadRunning):
                             "snapshot_slots": null_snapshots, "restore_ids": [-1] * n_groups}
         regions = {"ids": (tokens, torch.int64, 0), "pos": (tokens, torch.int64, 0),
                    "qsl": (max_b + 1, torch.int32, 0), "seq": (max_b, torch.int32, 1),
-                   "logits_row": (1, torch.int64, 0)}  # a prefill graph's one logits row
+                   "logits_rows": (max(1, logits_rows), torch.int64, 0)}  # the rows a prefill graph's logits are of
         regions |= {f"slots/{g}": (tokens, torch.int64, sink * self.block_size) for g, sink in enumerate(sinks)}
         for name, pads in self._state_pads.items():
             size = tokens if name in _PER_TOKEN else max_b
@@ -421,7 +457,7 @@ class ModelRunner(AheadRunning):
         view = self._static.device
         self._ids, self._pos = view["ids"], view["pos"]  # [max_b * max_q] int64
         self._qsl, self._seq = view["qsl"], view["seq"]  # [max_b + 1], [max_b] int32
-        self._logits_row = view["logits_row"]  # [1] int64
+        self._logits_rows = view["logits_rows"]  # [logits_rows] int64
         self._tables = self._static.tables  # per group [max_b, max_blocks] int32
         self._slots = [view[f"slots/{g}"] for g in range(n_groups)]  # per group [max_b * max_q] int64
         self._state = {name: [view.get(f"{name}/{g}") for g in range(n_groups)] for name in self._state_pads}
@@ -467,23 +503,46 @@ class ModelRunner(AheadRunning):
             logits = self.model.compute_logits(hidden)
         return _Graph(graph, logits, aux)
 
-    def _capture_prefill(self, q: int, pool: tuple[int, int]) -> _Graph:
-        """One request's prefill chunk of up to q tokens; logits of row `_logits_row` only."""
-        self._fill_static_pattern(1, q)
-        step = self._static_step(1, q)
-        ids, pos = self._ids[:q], self._pos[:q]
+    def _capture_prefill(self, t: int, pool: tuple[int, int]) -> _Graph:
+        """A step with prefill work of up to t query tokens over every seat (see the module
+        docstring); logits of `_logits_rows`' first min(t, its size) rows, into `_prefill_logits`."""
+        seats = self._seq.shape[0]
+        self._qsl[: seats + 1].fill_(t)
+        self._qsl[0] = 0  # the pattern: one request of t tokens, the other seats empty
+        self._seq[:seats].fill_(0)
+        self._seq[0] = t
+        rows = self._logits_rows[: min(t, self._logits_rows.shape[0])]
+        step = StepMetadata(
+            request_ids=("<graph>",) * seats,
+            query_start_loc=self._qsl[: seats + 1],
+            seq_lens=self._seq[:seats],
+            block_tables=tuple(self._tables),
+            slot_mappings=tuple(s[:t] for s in self._slots),
+            logits_indices=rows,
+            query_start_loc_cpu=(0,) + (t,) * seats,
+            seq_lens_cpu=(t,) + (0,) * (seats - 1),  # not read by capturable backends; values vary per replay
+            block_size=self.block_size,
+            max_query_len=t,
+            prefix_unit=self.kv.unit,
+            **{name: (None,) * len(ts) for name, ts in self._state.items()},  # full groups only (prefill_graph_lens)
+        )
+        ids, pos = self._ids[:t], self._pos[:t]
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden, aux = self._forward(ids, pos, step)
-            return self.model.compute_logits(hidden.index_select(0, self._logits_row)), aux
+            return self.model.compute_logits(hidden.index_select(0, rows)), aux
 
         for _ in range(2):  # warm up: Triton JIT and allocator, outside the graph
-            forward()
+            logits, _ = forward()
+        if self._prefill_logits is None:  # the largest graph comes first: its rows are the most
+            self._prefill_logits = torch.empty_like(logits)
+        out = self._prefill_logits[: rows.shape[0]]
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits, aux = forward()
-        return _Graph(graph, logits, aux)
+            out.copy_(logits)
+        return _Graph(graph, out, aux)
 
     def _fill_static_pattern(self, b: int, q: int) -> None:
         self._qsl[: b + 1].copy_(torch.arange(0, (b + 1) * q, q, dtype=torch.int32))
