@@ -138,6 +138,10 @@ def test_drafters_and_verify_steps_replay_cuda_graphs(method):
     assert _count(llm, "model_steps", "eager") == 0 and _count(llm, "model_steps", "cuda_graph") > 0
     assert _count(llm, "spec_decode_drafter_steps", "eager") == 0
     assert _count(llm, "spec_decode_drafter_steps", "cuda_graph") > 0
+    if method == "draft_model":  # its prompt chunks replay its own prefill graphs, none eager
+        assert eng.spec.proposer.runner.prefill_graphs
+        assert _count(llm, "spec_decode_drafter_steps", "prefill_graph") > 0
+        assert _count(llm, "spec_decode_drafter_steps", "prefill") == 0
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "dspark", "num_speculative_tokens": 3}])

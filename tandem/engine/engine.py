@@ -190,10 +190,11 @@ class LLMEngine(AheadSteps):
         if self.config.spec.max_k:  # verify of 1..Kmax drafts
             families["verify"] = tuple(range(2, self.config.spec.max_k + 2))
         max_num_seqs = self.config.scheduler.max_num_seqs
+        prefill = startup.prefill_graph_lens(self)
         if self.spec is not None:  # first: a step ahead's graphs read the drafter's ring
-            self.spec.capture(max_num_seqs, self.max_model_len)
+            self.spec.capture(max_num_seqs, self.max_model_len, prefill)
         ahead = self._spec_ahead if self.config.scheduler.async_scheduling is not False else None
-        self.runner.capture(max_num_seqs, families, self.max_model_len, ahead, startup.prefill_graph_lens(self))
+        self.runner.capture(max_num_seqs, families, self.max_model_len, ahead, prefill)
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:

@@ -194,10 +194,11 @@ class SpecDecoder:
         if hasattr(self.proposer, "allocate"):
             self.proposer.allocate(num_blocks, block_size, enable_prefix_caching)
 
-    def capture(self, max_num_seqs: int, max_model_len: int) -> None:
-        """CUDA graphs of the drafter's shapes (the n-gram proposer has none)."""
+    def capture(self, max_num_seqs: int, max_model_len: int, prefill: tuple[int, ...] = ()) -> None:
+        """CUDA graphs of the drafter's shapes (the n-gram proposer has none); `prefill`: the
+        token totals of the target's prefill graphs (a draft model captures its own at them)."""
         if hasattr(self.proposer, "capture"):
-            self.proposer.capture(max_num_seqs, max_model_len)
+            self.proposer.capture(max_num_seqs, max_model_len, prefill)
 
     def phase(self, req: Request) -> Phase:
         """The request's phase after the tokens it kept up to the last `propose`."""

@@ -11,7 +11,8 @@ drafter the prompt chunks the target just computed, so the first draft costs no 
 
 Every drafter forward goes through a `ModelRunner` of its own (CUDA graphs for one and two query
 tokens per request: a draft step, and the first step after a verify that fed back a correction
-and the last accepted draft), within the engine's token budget per forward.
+and the last accepted draft; prefill graphs for longer feeds), within the engine's token budget
+per forward.
 """
 
 from __future__ import annotations
@@ -99,9 +100,17 @@ class DraftModelProposer:
         allocate_kv_caches(self.model, self.kv, self.device)
         self.runner = ModelRunner(self.model, self.kv, self.device)
 
-    def capture(self, max_num_seqs: int, max_model_len: int) -> None:
-        assert self.runner is not None, "allocate() first"
-        self.runner.capture(max_num_seqs, {"drafter": (1, 2)}, max_model_len)
+    def capture(self, max_num_seqs: int, max_model_len: int, prefill: tuple[int, ...] = ()) -> None:
+        """Graphs of one and two query tokens per request, and prefill graphs at the token totals
+        `prefill` (the target's): the drafter's prompt chunks (`observe`) and its catch-up after
+        steps at K = 0 replay them instead of costing an eager forward's host time. Not for a
+        draft model with KV groups other than full attention (as the target's, see
+        `startup.prefill_graph_lens`)."""
+        assert self.runner is not None and self.kv is not None, "allocate() first"
+        if prefill and any(g.spec.kind != "full" for g in self.kv.groups):
+            logger.info("Prefill CUDA graphs off for the draft model: KV cache groups of another kind than full")
+            prefill = ()
+        self.runner.capture(max_num_seqs, {"drafter": (1, 2)}, max_model_len, prefill=prefill)
 
     def measure(self, buckets: Sequence[int], depths: Sequence[int], repeats: int = 5) -> dict[tuple[int, int], float]:
         """Seconds of drafting `depth` tokens per (batch, depth), from the drafter runner's

@@ -279,9 +279,10 @@ class DSparkProposer:
                 times[(b, depth)] = seconds_per_call(run, self.device, repeats, warm_up=True)
         return times
 
-    def capture(self, max_num_seqs: int, max_model_len: int) -> None:
+    def capture(self, max_num_seqs: int, max_model_len: int, prefill: tuple[int, ...] = ()) -> None:
         """Capture the drafter's block forward for every batch bucket, depth, greedy and sampling
-        (its shapes do not depend on max_model_len: it reads W positions)."""
+        (its shapes do not depend on max_model_len: it reads W positions; `prefill` is not used:
+        the block drafter runs no forward over a prompt)."""
         self._buckets = batch_buckets(max_num_seqs)
         cfg, dev, top = self.drafter.cfg, self.device, self._buckets[-1]
         dtype = self.drafter.fc.weight.dtype
