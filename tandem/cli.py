@@ -183,8 +183,9 @@ def _add_serve_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (every step runs eagerly; for debugging)")
     s.add_argument("--prefill-graph-max-tokens", type=int, default=RunnerConfig.prefill_graph_max_tokens, metavar="N",
-                   help="a step of one request's prompt chunk of up to N tokens replays a CUDA graph (captured at "
-                        "8, 16, .. N tokens; at most --max-num-batched-tokens); 0: prefill runs eagerly")
+                   help="a step with prompt work (chunks of one or more prompts, beside decodes) of up to N tokens "
+                        "replays a CUDA graph (captured at 8, 16, .. N tokens; at most --max-num-batched-tokens); 0: "
+                        "prefill runs eagerly")
     _bool_flag(s, "--fused-ops", RunnerConfig.fused_ops,
                "fused Triton kernels for RMSNorm, rotary, SiLU*up, routing and small-batch MoE on CUDA (2.5x "
                "batch-1 decode on an H200); --no-fused-ops runs the torch reference")

@@ -93,9 +93,10 @@ class RunnerConfig:
     # torch intra-op threads (--cpu-threads); None: the cores this process may use, less one left
     # for the server's event loop and the engine thread that drives the device.
     cpu_threads: int | None = None
-    # --prefill-graph-max-tokens: a step of one request's prompt chunk up to this many tokens
-    # replays a CUDA graph (query lengths 8, 16, .. this); 0: prefill runs eagerly. An eager
-    # prefill step is ~7 ms of host launches on the demo model, which dwarfs its decode steps.
+    # --prefill-graph-max-tokens: a step with prompt work (chunks of one or more prompts, beside
+    # decodes and verifies) of up to this many tokens replays a CUDA graph (token totals 8, 16,
+    # .. this); 0: prefill runs eagerly. An eager prefill step is ~7-13 ms of host launches on
+    # the demo model, which dwarfs its decode steps.
     prefill_graph_max_tokens: int = 512
 
     def __post_init__(self) -> None:

@@ -238,7 +238,7 @@ def graph_blockers(model: CausalLM, rc: RunnerConfig) -> list[str]:
 
 
 def prefill_graph_lens(engine: LLMEngine) -> tuple[int, ...]:
-    """The query lengths of the prefill graphs to capture (--prefill-graph-max-tokens, at most
+    """The token totals of the prefill graphs to capture (--prefill-graph-max-tokens, at most
     --max-num-batched-tokens and the context); () when off or the model's step cannot take them,
     logged once: routed experts on the CPU (their kernel is sized by the padded batch) and KV
     groups other than full attention (their state per token takes no pads beyond a verify's)."""
