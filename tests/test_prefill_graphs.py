@@ -47,6 +47,51 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
 
 
+def test_a_prefill_graphs_packed_step_gives_the_eager_logits_on_cpu(tmp_path):
+    """The prefill graphs' layout, run eagerly on CPU through the torch attention (what a replay
+    computes, minus the graph): a decode, a chunk that samples nothing and a whole prompt packed
+    ragged into 64 tokens, the pads at the end of the last query (past its blocks, into the
+    sink), the logits rows the step needs staged. The logits are the step's own eager forward's
+    (fp32), and the staging is as the runner's docstring says."""
+    from tandem.engine.runner import _Graph
+    from tandem.engine.scheduler import ScheduledRequest
+
+    save_tiny_model(tmp_path, "qwen3", seed=5)
+    llm = LLM(str(tmp_path), device="cpu", kv_cache_memory="64MiB", max_num_seqs=4, async_scheduling=False)
+    eng, runner = llm.engine, llm.engine.runner
+    g = torch.Generator().manual_seed(1)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(10, 2000, (n,), generator=g).tolist()
+
+    first = _new(llm, "q0", prompt(6))
+    runner.execute([ScheduledRequest.of(first, 6)])
+    first.num_computed_tokens = 6
+    first.output_token_ids.append(5)
+    assert eng.kv.allocate_slots(first, 1)
+    second, third = _new(llm, "q1", prompt(50)), _new(llm, "q2", prompt(33))
+    batch = [ScheduledRequest.of(first, 1), ScheduledRequest(second, 0, 20, False), ScheduledRequest.of(third, 33)]
+    _, want, _ = _graph_and_eager(llm, batch)  # no prefill graphs yet: the eager forward
+    assert want.shape[0] == 2
+
+    t, rows, seats = 64, 8, 4
+    runner._allocate_static(seats, 1, -(-eng.max_model_len // runner.block_size) + 1, min_tokens=t, logits_rows=rows)
+    runner.prefill_graphs = {t: _Graph(None, torch.empty(rows, want.shape[1]), None)}  # only its shape is read
+    assert runner._prefill_key(batch) == t
+    num_logits, starts = runner._stage_prefill(batch, t)
+    host, sink = runner._static.host, eng.kv.null_block(0) * runner.block_size
+    assert num_logits == 2 and starts == [0, 1, 21]
+    assert host["qsl"][: seats + 1].tolist() == [0, 1, 21, t, t]  # the last query holds the 10 pads
+    assert host["seq"][:seats].tolist() == [7, 20, 33 + 10, 0]
+    assert host["logits_rows"][:rows].tolist() == [0, 53] + [0] * 6
+    assert (host["slots/0"][54:t] == sink).all() and (host["slots/0"][:54] != sink).all()
+    step = runner._prefill_step(t, len(batch), tuple(host["qsl"][:4].tolist()), tuple(host["seq"][:3].tolist()))
+    with torch.inference_mode():
+        hidden, _ = runner._forward(runner._ids[:t], runner._pos[:t], step)
+        got = eng.model.compute_logits(hidden.index_select(0, runner._logits_rows[:num_logits]))
+    _close(got, want, 1e-5)
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])

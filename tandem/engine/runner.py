@@ -512,20 +512,8 @@ class ModelRunner(AheadRunning):
         self._seq[:seats].fill_(0)
         self._seq[0] = t
         rows = self._logits_rows[: min(t, self._logits_rows.shape[0])]
-        step = StepMetadata(
-            request_ids=("<graph>",) * seats,
-            query_start_loc=self._qsl[: seats + 1],
-            seq_lens=self._seq[:seats],
-            block_tables=tuple(self._tables),
-            slot_mappings=tuple(s[:t] for s in self._slots),
-            logits_indices=rows,
-            query_start_loc_cpu=(0,) + (t,) * seats,
-            seq_lens_cpu=(t,) + (0,) * (seats - 1),  # not read by capturable backends; values vary per replay
-            block_size=self.block_size,
-            max_query_len=t,
-            prefix_unit=self.kv.unit,
-            **{name: (None,) * len(ts) for name, ts in self._state.items()},  # full groups only (prefill_graph_lens)
-        )
+        # The host copies of the lengths are not read by capturable backends: they vary per replay.
+        step = self._prefill_step(t, seats, (0,) + (t,) * seats, (t,) + (0,) * (seats - 1))
         ids, pos = self._ids[:t], self._pos[:t]
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -543,6 +531,25 @@ class ModelRunner(AheadRunning):
             logits, aux = forward()
             out.copy_(logits)
         return _Graph(graph, out, aux)
+
+    def _prefill_step(self, t: int, seats: int, query_start_cpu: tuple[int, ...], seq_lens_cpu: tuple[int, ...]
+                      ) -> StepMetadata:
+        """The step a prefill graph of t tokens runs over its first `seats` seats, on the static
+        inputs (`_stage_prefill` writes them); the host lengths as given."""
+        return StepMetadata(
+            request_ids=("<graph>",) * seats,
+            query_start_loc=self._qsl[: seats + 1],
+            seq_lens=self._seq[:seats],
+            block_tables=tuple(self._tables),
+            slot_mappings=tuple(s[:t] for s in self._slots),
+            logits_indices=self._logits_rows[: min(t, self._logits_rows.shape[0])],
+            query_start_loc_cpu=query_start_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+            block_size=self.block_size,
+            max_query_len=t,
+            prefix_unit=self.kv.unit,
+            **{name: (None,) * len(ts) for name, ts in self._state.items()},  # full groups only (prefill_graph_lens)
+        )
 
     def _fill_static_pattern(self, b: int, q: int) -> None:
         self._qsl[: b + 1].copy_(torch.arange(0, (b + 1) * q, q, dtype=torch.int32))
