@@ -255,6 +255,42 @@ def test_dspark_steps_ahead_give_the_tokens_without_speculation(prompts_and_refe
         assert 0 < predicted <= 4 * counter(eng, "spec_decode_num_drafts")
 
 
+def test_a_step_that_admits_a_prompt_drafts_nothing_and_goes_ahead(prompts_and_reference):
+    """A request arriving while another decodes in steps ahead: the step that prefills it drafts
+    nothing and goes ahead as a plain step (not a synchronous verify), the steps ahead resume
+    after it for both, and the tokens are the reference's."""
+    from tandem.engine.inflight import InFlightStep
+
+    ids, ref = prompts_and_reference
+    llm = dspark({"adaptive": "off"}, max_num_seqs=4)
+    eng = llm.engine
+    outs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    eng.add_request("a", ids[0], G)
+    while not isinstance(eng._in_flight, SpecAheadStep):
+        step()
+    step()
+    assert isinstance(eng._in_flight, SpecAheadStep)
+    drafted = counter(eng, "spec_decode_drafter_steps")
+    eng.add_request("b", ids[1], G)
+    step()  # lands the step ahead, then runs b's prompt beside a's decode: no drafts
+    assert isinstance(eng._in_flight, InFlightStep)
+    assert {s.request.request_id for s in eng._in_flight.sched.scheduled} == {"a", "b"}
+    assert counter(eng, "spec_decode_drafter_steps") == drafted  # nothing drafted for that step
+    step()
+    assert counter(eng, "spec_decode_drafter_steps") == drafted + 1
+    assert isinstance(eng._in_flight, SpecAheadStep)  # the steps ahead resume, b's included
+    assert set(eng._in_flight.index) == {"a", "b"}
+    while eng.has_unfinished:
+        step()
+    assert outs["a"] == ref[0] and outs["b"] == ref[1]
+    assert eng.kv.usage == 0.0 and len(eng.spec.proposer) == 0
+
+
 def test_a_stop_string_sampled_requests_and_an_abort_while_steps_go_ahead(prompts_and_reference):
     """A stop string inside an accepted draft cuts where it cuts without speculation; sampled
     requests (top-k and top-p among them) go ahead beside a greedy one, whose tokens stay the

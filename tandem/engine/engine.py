@@ -142,8 +142,10 @@ class LLMEngine(AheadSteps):
         if why is not None:
             logger.info("Speculative steps run synchronously (%s); only steps that draft nothing go ahead", why)
             return None
-        return SpecAhead(self.runner, self.kv, self.scheduler, self.spec, self.config.scheduler.max_num_seqs,
-                         self.sampler.generator_for)
+        ahead = SpecAhead(self.runner, self.kv, self.scheduler, self.spec, self.config.scheduler.max_num_seqs,
+                          self.sampler.generator_for)
+        ahead.prompt_tokens = self.runner_config.prefill_graph_max_tokens
+        return ahead
 
     @property
     def async_scheduling(self) -> bool:
@@ -277,8 +279,11 @@ class LLMEngine(AheadSteps):
         elif self._ahead_failure is not None:
             return self._ahead_failed()
         try:
-            drafts = self.spec.propose(self.scheduler.running) if self.spec else {}
-            if self.spec is not None:
+            # With steps ahead, a step that runs a new prompt drafts nothing: it goes ahead (`_launch`)
+            # and the next step ahead follows it, instead of two waits on the device (plain_for_prompt).
+            plain = self._spec_ahead is not None and self.async_scheduling and self._spec_ahead.plain_for_prompt()
+            drafts = self.spec.propose(self.scheduler.running) if self.spec and not plain else {}
+            if self.spec is not None and not plain:
                 self._count_spec_step()
                 if len(self.structured):
                     drafts = self.structured.cut_drafts(drafts)

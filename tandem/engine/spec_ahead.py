@@ -170,6 +170,9 @@ class SpecAhead:
         self.uniform = torch.zeros(max_num_seqs + 1, max(kmax, 1), device=self.device)
         self.final_gumbel = torch.zeros(max_num_seqs + 1, vocab, device=self.device)
         self.sampled_ahead = True  # False when the sampled graphs failed to capture (ModelRunner says why)
+        # The most tokens of a step with prompt work that drafts nothing to go ahead (plain_for_prompt):
+        # --prefill-graph-max-tokens, what a prefill graph holds on CUDA; 0: such steps keep their drafts.
+        self.prompt_tokens = 0
 
     @staticmethod
     def unsupported(spec: SpecDecoder, kv: KVCacheManager) -> str | None:
@@ -269,6 +272,30 @@ class SpecAhead:
             if self.spec.room(req) < ahead:
                 return None  # the step in flight may end it
         return list(running)
+
+    def plain_for_prompt(self) -> bool:
+        """Whether the next synchronous step should draft nothing, so that it goes ahead as a plain
+        step (`can_go_ahead`) and the steps ahead resume right after it: it will run prompt work
+        that a prefill graph holds (a running request's prompt chunk, or the first waiting
+        request admitted: its chunk and one block per running request fit the free blocks), and
+        no request has a grammar. With drafts, that step would verify synchronously: land the
+        drafter's forward, then the verify, each a wait on the device (3-4 ms a step at 4 and 16
+        requests on the H200, against 1 ms for the plain prefill step). A longer step keeps its
+        drafts (more than `prompt_tokens`): its own forward outweighs the waits."""
+        sched, cap = self.scheduler, self.prompt_tokens
+        running = sched.running
+        head = sched.waiting[0] if sched.waiting else None
+        if not cap or any(r.params.grammar is not None for r in (*running, *([head] if head else []))):
+            return False
+        budget = sched.config.batched_tokens
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in running)  # decodes 1; prompts their rest
+        if any(r.num_computed_tokens < r.num_tokens - 1 for r in running):
+            return min(pending, budget) <= cap
+        if head is None or len(running) >= self.max_num_seqs:
+            return False
+        chunk = min(head.num_tokens - head.num_computed_tokens, budget - pending)
+        return (chunk > 0 and pending + chunk <= cap
+                and self.kv.blocks_needed(chunk) + len(running) <= self.kv.num_free_blocks)
 
     def in_flight_drafts(self, reqs: list[Request], prev: InFlightStep | SpecAheadStep | None) -> list[int]:
         """Drafts the step in flight verifies for each request (0 for a plain step or none)."""
