@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 ROWS, BLOCK = 16, 32  # moe.h's kRows and kBlock
 SCALE_BYTES = {"int4": ROWS * 2, "mxfp4": ROWS}  # per block: bf16 / E8M0 row scales, then the codes
-CODE_BYTES = BLOCK // 2 * ROWS  # a block's 4-bit codes: 8 quads of [16 rows][2 bytes]
+CODE_BYTES = BLOCK // 2 * ROWS  # a block's 4-bit codes: 4 octets of [16 rows][2 words]
 
 
 def tile_bytes(fmt: str, nb: int) -> int:

@@ -8,11 +8,10 @@ The packed layout is moe.h's (tandem/offload/cpu_kernels/; its tiles and sizes i
 expert_layout.py). Per tile of 16 rows over K inputs, by format:
 
     int8   [16] float32 row scales (64 bytes), then [K][16] int8          value = code * scale[row]
-    int4   per block: [16] bf16 scales, then 8 quads of [16 rows][2 bytes]  value = code (-8..7) * scale
-    mxfp4  per block: [16] E8M0 scales, then the same quads of E2M1 codes  value = e2m1(code) * 2^(s - 127)
+    int4   per block: [16] bf16 scales, then 4 octets of [16 rows][2 words]  value = code (-8..7) * scale
+    mxfp4  per block: [16] E8M0 scales, then the same octets of E2M1 codes  value = e2m1(code) * 2^(s - 127)
 
-where byte h of row r in quad j holds input 4j + h in its low nibble and 4j + 2 + h in its high
-one. The values are computed in float32 exactly as moe_scalar.cpp's decode_block (code x scale)
+where nibble s of word w of row r in octet o holds input 8o + 2s + w. The values are computed in float32 exactly as moe_scalar.cpp's decode_block (code x scale)
 and rounded once to `dtype`; the torch path of streaming.py computes the same and is the
 reference of the tests.
 
@@ -62,8 +61,9 @@ def _unpack_kernel(
             value = code.to(tl.float32) * scale
         else:
             blk = tile + b.to(tl.int64) * (SB + 256)  # SB scale bytes, then 256 bytes of codes
-            byte = tl.load(blk + SB + (i // 4) * 32 + r * 2 + i % 2, mask=mask, other=0).to(tl.int32)
-            nib = tl.where(i % 4 >= 2, byte >> 4, byte & 15)
+            byte = tl.load(blk + SB + (i // 8) * 64 + r * 4 + 2 * (i % 2) + (i % 8) // 4, mask=mask, other=0)
+            byte = byte.to(tl.int32)
+            nib = tl.where((i // 2) % 2 == 1, byte >> 4, byte & 15)
             if FMT == 1:
                 s = tl.load(blk.to(tl.pointer_type(tl.bfloat16)) + r, mask=row_ok & (b < nb), other=0.0).to(tl.float32)
                 value = (nib - 16 * (nib >= 8).to(tl.int32)).to(tl.float32) * s

@@ -75,10 +75,10 @@ def _tile_rows(raw: torch.Tensor, fmt: str, tiles: int, nb: int) -> torch.Tensor
         scales = blocks[..., :sb].contiguous().view(torch.bfloat16).float()  # [G, tiles, nb, 16]
     else:  # E8M0: 2^(s - 127); 0 is 2^-127 and 255 +inf, as decode_block
         scales = torch.exp2(blocks[..., :sb].float() - 127)
-    # quad j, row r, byte h: input 4j + h in the low nibble, 4j + 2 + h in the high one
-    codes = blocks[..., sb:].view(g, tiles, nb, _BLOCK // 4, _ROWS, 2)
-    nibbles = torch.cat((codes & 15, codes >> 4), dim=-1)  # [.., j, r, 4]: inputs 4j + 0, 1, 2, 3
-    nibbles = nibbles.permute(0, 1, 4, 2, 3, 5).reshape(g, tiles, _ROWS, nb, _BLOCK)
+    # octet o, row r, word w, its byte h, that byte's high nibble or not: input 8o + 4h + 2 high + w
+    codes = blocks[..., sb:].view(g, tiles, nb, _BLOCK // 8, _ROWS, 2, 2)
+    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1)  # [.., o, r, w, h, high]
+    nibbles = nibbles.permute(0, 1, 4, 2, 3, 6, 7, 5).reshape(g, tiles, _ROWS, nb, _BLOCK)
     if fmt == "int4":  # two's complement -8..7
         values = nibbles.float() - 16 * (nibbles >= 8).float()
     else:

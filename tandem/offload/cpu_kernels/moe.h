@@ -16,12 +16,13 @@
 //   fp32  [K][16] float                                            64 B per input index
 //   bf16  [K/2][16] uint32: low half input 2i, high half 2i+1      the pair vdpbf16ps reads
 //   int8  [16] float row scales (64 B), then [K][16] int8
-//   int4  per block: [16] bf16 scales (32 B), then 8 quads of 32 B, two's complement -8..7
-//   mxfp4 per block: [16] E8M0 scales (16 B), then 8 quads of 32 B, E2M1 codes
-//         quad j (inputs 4j..4j+3) = [16 rows][2] bytes: byte h (0, 1) of row r holds input
-//         4j+h in its low nibble and 4j+2+h in its high one, so zero-extending the 32 bytes to
-//         words gives row r the word pair (4j, 4j+1) from the low nibbles and (4j+2, 4j+3) from
-//         the high ones: two vdpbf16ps weight vectors after one table lookup each (moe_avx512.cpp)
+//   int4  per block: [16] bf16 scales (32 B), then 4 octets of 64 B, two's complement -8..7
+//   mxfp4 per block: [16] E8M0 scales (16 B), then 4 octets of 64 B, E2M1 codes
+//         octet o (inputs 8o..8o+7) = [16 rows][2 words]: nibble s (bits 4s..4s+3) of word w of
+//         row r holds input 8o + 2s + w. So row r's dword of one 64-byte load holds all 8 of its
+//         inputs: shifting the words by 4s puts the pair (8o+2s, 8o+2s+1) in reach of one table
+//         lookup (vpermw reads 5 index bits), one vdpbf16ps weight vector each with no widening
+//         (moe_avx512.cpp); the fp32 kernels shift the dwords by 16 w + 4 s instead.
 // The expert's byte size is rounded up to 64 so every expert starts on a cache line.
 #pragma once
 
@@ -55,9 +56,11 @@ constexpr int64_t tile_bytes(int fmt, int64_t nb) {
 constexpr int64_t block_scale_bytes(int fmt) { return fmt == FMT_INT4 ? kRows * 2 : kRows; }
 constexpr int64_t block_bytes(int fmt) { return block_scale_bytes(fmt) + kBlock / 2 * kRows; }
 // Where the code of (row r, input i in 0..31) of an int4 / mxfp4 block sits, from the block's
-// first code byte: byte nibble_byte, its high half when nibble_high.
-constexpr int64_t nibble_byte(int r, int i) { return (i / 4) * 2 * kRows + 2 * r + i % 2; }
-constexpr bool nibble_high(int i) { return i % 4 >= 2; }
+// first code byte: byte nibble_byte, its high half when nibble_high (the octets above).
+constexpr int64_t nibble_byte(int r, int i) { return (i / 8) * 4 * kRows + 4 * r + 2 * (i % 2) + (i % 8) / 4; }
+constexpr bool nibble_high(int i) { return (i / 2) % 2 == 1; }
+// The bit of a row's dword (the row's 4 bytes of an octet) where input 8o + k starts.
+constexpr int octet_bit(int k) { return 16 * (k % 2) + 4 * (k / 2); }
 
 // The geometry of one layer's packed expert.
 struct Geometry {

@@ -104,12 +104,8 @@ struct Int8 {
     }
 };
 
-// The two code bytes of 8 rows of a quad -> 8 dwords; the nibble of input 4j + m sits at bit
-// kNibbleBit[m].
-inline __m256i words8(const uint8_t* p) {
-    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-constexpr int kNibbleBit[4] = {0, 8, 4, 12};
+// 8 rows of an octet: 32 bytes, row r's 8 codes in dword r; input 8o + k at bit octet_bit(k).
+inline __m256i octet8(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 struct Int4Decode {
     static constexpr int fmt = FMT_INT4;
@@ -144,7 +140,7 @@ struct Nibbles {
     struct K {
         template <int M>
         static void fma(const Decode& dec, __m256i d, const float* x, int64_t ld, __m256 (&part)[TB]) {
-            const __m256 w = dec.template code<kNibbleBit[M]>(d);
+            const __m256 w = dec.template code<octet_bit(M)>(d);
 #pragma GCC unroll 16
             for (int t = 0; t < TB; ++t) part[t] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + M * ld + t), part[t]);
         }
@@ -154,16 +150,18 @@ struct Nibbles {
             zero(&acc[0][0][0], 2 * TB);
             for (int64_t b = 0; b < nb; ++b, tile += block_bytes(Decode::fmt)) {
                 const uint8_t* codes = tile + block_scale_bytes(Decode::fmt);
-                __m256 part[2][2][TB];  // the block's partial sums: [inputs 4j, 4j+2 / 4j+1, 4j+3][rows 0-7 / 8-15]
+                __m256 part[2][2][TB];  // the block's partial sums: [even / odd inputs][rows 0-7 / 8-15]
                 zero(&part[0][0][0], 4 * TB);
-                for (int j = 0; j < kBlock / 4; ++j, codes += 2 * kRows, x += 4 * ld) {
-                    for (int half = 0; half < 2; ++half) {
-                        const __m256i d = words8(codes + 16 * half);
-                        fma<0>(dec, d, x, ld, part[0][half]);
-                        fma<1>(dec, d, x, ld, part[1][half]);
-                        fma<2>(dec, d, x, ld, part[0][half]);
-                        fma<3>(dec, d, x, ld, part[1][half]);
-                    }
+                for (int o = 0; o < kBlock / 8; ++o, codes += 4 * kRows, x += 8 * ld) {
+                    const __m256i d0 = octet8(codes), d1 = octet8(codes + 32);  // rows 0-7, 8-15
+                    fma<0>(dec, d0, x, ld, part[0][0]), fma<0>(dec, d1, x, ld, part[0][1]);
+                    fma<1>(dec, d0, x, ld, part[1][0]), fma<1>(dec, d1, x, ld, part[1][1]);
+                    fma<2>(dec, d0, x, ld, part[0][0]), fma<2>(dec, d1, x, ld, part[0][1]);
+                    fma<3>(dec, d0, x, ld, part[1][0]), fma<3>(dec, d1, x, ld, part[1][1]);
+                    fma<4>(dec, d0, x, ld, part[0][0]), fma<4>(dec, d1, x, ld, part[0][1]);
+                    fma<5>(dec, d0, x, ld, part[1][0]), fma<5>(dec, d1, x, ld, part[1][1]);
+                    fma<6>(dec, d0, x, ld, part[0][0]), fma<6>(dec, d1, x, ld, part[0][1]);
+                    fma<7>(dec, d0, x, ld, part[1][0]), fma<7>(dec, d1, x, ld, part[1][1]);
                 }
                 for (int half = 0; half < 2; ++half) {
                     const __m256 s = dec.scale(tile, half);

@@ -2,15 +2,15 @@
 // A tile's 16 rows are one 16-lane vector, multiplied by each token's broadcast activation.
 //
 // fp32 activations (every format; exact): weights become fp32 in registers. bf16: a shift and a
-// mask of the (2i, 2i+1) pair; int8: vpmovsxbd + vcvtdq2ps; int4 and mxfp4: vpmovzxwd of a
-// quad's two bytes per row, then vpermps over a 16-entry fp32 table (it reads the low 4 bits:
-// each of the four nibbles after a shift). The int4 / mxfp4 block scale multiplies the block's
-// partial sum once per token, not each weight.
+// mask of the (2i, 2i+1) pair; int8: vpmovsxbd + vcvtdq2ps; int4 and mxfp4: one 64-byte load of
+// an octet (a row's 8 codes in its dword), then vpermps over a 16-entry fp32 table (it reads the
+// low 4 bits: each of the eight nibbles after a shift). The int4 / mxfp4 block scale multiplies
+// the block's partial sum once per token, not each weight.
 //
 // bf16 activations (ISA avx512bf16, for bf16 / int4 / mxfp4 weights when the hidden state is
 // bf16): vdpbf16ps multiplies a weight pair by the token's activation pair in one instruction.
 // The nibbles become bf16 pairs through vpermw over a bf16 table (every E2M1 and int4 value is
-// exact in bf16). Products are exact, sums fp32; the SwiGLU intermediate is rounded to
+// exact in bf16): four lookups per octet, no widening (moe.h's layout). Products are exact, sums fp32; the SwiGLU intermediate is rounded to
 // bf16 for the down projection (the bf16 GPU model rounds it too). These functions carry
 // target("avx512bf16") so that nothing else in this file may use the instruction.
 //
@@ -173,18 +173,11 @@ inline void add_block(__m512 (&acc)[TB], const __m512 (&part)[C][TB], __m512 sca
     }
 }
 
-// The two code bytes of each row of a quad (32 bytes) -> 16 dwords; the code of input 4j + m
-// sits at bit kNibbleBit[m] (vpermps reads the low 4 bits).
-inline __m512i words16(const uint8_t* p) {
-    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-constexpr int kNibbleBit[4] = {0, 8, 4, 12};
-
 template <int Fmt>
 struct Nibbles {
     template <int TB>
     struct K {
-        static constexpr int C = TB >= 4 ? 2 : 4;  // chains per token: input 4j + m goes to m % C
+        static constexpr int C = TB >= 4 ? 2 : 4;  // chains per token: input 8o + k goes to k % C
         static void run(const uint8_t* tile, int64_t nb, const float* x, int64_t ld, float* out) {
             const __m512 table = _mm512_load_ps(Fmt == FMT_INT4 ? kInt4Table : kFp4Table);
             const Prefetch pf;
@@ -195,14 +188,14 @@ struct Nibbles {
                 const uint8_t* codes = tile + block_scale_bytes(Fmt);
                 __m512 part[C][TB];  // the block's partial sums
                 zero(&part[0][0], C * TB);
-                for (int j = 0; j < kBlock / 4; ++j, codes += 2 * kRows, x += 4 * ld) {
-                    const __m512i d = words16(codes);
-#pragma GCC unroll 4
-                    for (int m = 0; m < 4; ++m) {
-                        const __m512 w = _mm512_permutexvar_ps(_mm512_srli_epi32(d, kNibbleBit[m]), table);
+                for (int o = 0; o < kBlock / 8; ++o, codes += 4 * kRows, x += 8 * ld) {
+                    const __m512i d = _mm512_loadu_si512(codes);  // row r's 8 codes in dword r
+#pragma GCC unroll 8
+                    for (int k = 0; k < 8; ++k) {
+                        const __m512 w = _mm512_permutexvar_ps(_mm512_srli_epi32(d, octet_bit(k)), table);
 #pragma GCC unroll 16
                         for (int t = 0; t < TB; ++t)
-                            part[m % C][t] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[m * ld + t]), part[m % C][t]);
+                            part[k % C][t] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[k * ld + t]), part[k % C][t]);
                     }
                 }
                 add_block(acc, part, block_scale<Fmt>(tile));
@@ -237,15 +230,15 @@ struct Bf16Dot {
     }
 };
 
-// A quad's 32 bytes zero-extended to words: row r's dword holds its two bytes, so the low
-// nibbles are the weight pair (4j, 4j+1) and, after a shift by 4, the high ones (4j+2, 4j+3);
-// vpermw reads 5 index bits, so the 32-entry table (the 16 values twice) takes the low nibble
-// with the high nibble's bit 0 above it as it is. Two lookups and one shift per 32 code bytes.
+// An octet's 64 bytes as 32 words: word w of row r (word 2r + w) holds inputs 8o + 2s + w in its
+// nibble s, so the words shifted by 4s hold in their low 4 bits (vpermw reads 5: the 32-entry
+// table is the 16 values twice) the pair (8o+2s, 8o+2s+1) of every row, in the row's dword.
+// Four lookups and three shifts per 64 code bytes.
 template <int Fmt>
 struct NibblesDot {
     template <int TB>
     struct K {
-        static constexpr int U = TB >= 2 ? 1 : 2;  // quads per step: 2 U chains per token
+        static constexpr int C = TB >= 2 ? 2 : 4;  // chains per token: pair 4o + s goes to s % C
         TANDEM_BF16 static void run(const uint8_t* tile, int64_t nb, const uint32_t* x, int64_t ld, float* out) {
             const __m512i table = _mm512_load_si512(Fmt == FMT_INT4 ? kInt4Bf16 : kFp4Bf16);
             const Prefetch pf;
@@ -254,22 +247,16 @@ struct NibblesDot {
             for (int64_t b = 0; b < nb; ++b, tile += block_bytes(Fmt)) {
                 pf.lines<kBlockLines>(tile);
                 const uint8_t* codes = tile + block_scale_bytes(Fmt);
-                __m512 part[2 * U][TB];
-                zero(&part[0][0], 2 * U * TB);
-                for (int j = 0; j < kBlock / 4; j += U, codes += 2 * kRows * U, x += 2 * U * ld) {
-#pragma GCC unroll 2
-                    for (int u = 0; u < U; ++u) {
-                        const __m512i z = _mm512_cvtepu8_epi16(
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 2 * kRows * u)));
-                        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(z, table);
-                        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(z, 4), table);
-                        const uint32_t* xu = x + 2 * u * ld;  // pairs 2j (low nibbles) and 2j + 1 (high)
+                __m512 part[C][TB];
+                zero(&part[0][0], C * TB);
+                for (int o = 0; o < kBlock / 8; ++o, codes += 4 * kRows, x += 4 * ld) {
+                    const __m512i v = _mm512_loadu_si512(codes);
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; ++q) {
+                        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * q), table);
 #pragma GCC unroll 16
-                        for (int t = 0; t < TB; ++t) {
-                            part[2 * u][t] = _mm512_dpbf16_ps(part[2 * u][t], lo, (__m512bh)_mm512_set1_epi32(int(xu[t])));
-                            part[2 * u + 1][t] =
-                                _mm512_dpbf16_ps(part[2 * u + 1][t], hi, (__m512bh)_mm512_set1_epi32(int(xu[ld + t])));
-                        }
+                        for (int t = 0; t < TB; ++t)
+                            part[q % C][t] = _mm512_dpbf16_ps(part[q % C][t], w, (__m512bh)_mm512_set1_epi32(int(x[q * ld + t])));
                     }
                 }
                 add_block(acc, part, block_scale<Fmt>(tile));
