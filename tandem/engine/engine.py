@@ -197,6 +197,8 @@ class LLMEngine(AheadSteps):
             self.spec.capture(max_num_seqs, self.max_model_len, prefill)
         ahead = self._spec_ahead if self.config.scheduler.async_scheduling is not False else None
         self.runner.capture(max_num_seqs, families, self.max_model_len, ahead, prefill)
+        if self._spec_ahead is not None:  # what a prefill graph holds (none: prompt steps keep their drafts)
+            self._spec_ahead.prompt_tokens = max(self.runner.prefill_graphs, default=0)
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:

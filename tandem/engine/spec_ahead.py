@@ -171,7 +171,8 @@ class SpecAhead:
         self.final_gumbel = torch.zeros(max_num_seqs + 1, vocab, device=self.device)
         self.sampled_ahead = True  # False when the sampled graphs failed to capture (ModelRunner says why)
         # The most tokens of a step with prompt work that drafts nothing to go ahead (plain_for_prompt):
-        # --prefill-graph-max-tokens, what a prefill graph holds on CUDA; 0: such steps keep their drafts.
+        # the largest prefill graph once captured (the engine sets it; eager, --prefill-graph-max-tokens);
+        # 0: such steps keep their drafts.
         self.prompt_tokens = 0
 
     @staticmethod
