@@ -80,7 +80,7 @@ def test_a_prefill_graphs_packed_step_gives_the_eager_logits_on_cpu(tmp_path):
     assert runner._prefill_key(batch) == t
     num_logits, starts = runner._stage_prefill(batch, t)
     host, sink = runner._static.host, eng.kv.null_block(0) * runner.block_size
-    assert num_logits == 2 and starts == [0, 1, 21]
+    assert num_logits == 2 and starts == [0, 1, 21, 54]
     assert host["qsl"][: seats + 1].tolist() == [0, 1, 21, t, t]  # the last query holds the 10 pads
     assert host["seq"][:seats].tolist() == [7, 20, 33 + 10, 0]
     assert host["logits_rows"][:rows].tolist() == [0, 53] + [0] * 6

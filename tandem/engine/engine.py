@@ -142,10 +142,8 @@ class LLMEngine(AheadSteps):
         if why is not None:
             logger.info("Speculative steps run synchronously (%s); only steps that draft nothing go ahead", why)
             return None
-        ahead = SpecAhead(self.runner, self.kv, self.scheduler, self.spec, self.config.scheduler.max_num_seqs,
-                          self.sampler.generator_for)
-        ahead.prompt_tokens = self.runner_config.prefill_graph_max_tokens
-        return ahead
+        return SpecAhead(self.runner, self.kv, self.scheduler, self.spec, self.config.scheduler.max_num_seqs,
+                         self.sampler.generator_for, self.runner_config.prefill_graph_max_tokens)
 
     @property
     def async_scheduling(self) -> bool:
@@ -197,8 +195,6 @@ class LLMEngine(AheadSteps):
             self.spec.capture(max_num_seqs, self.max_model_len, prefill)
         ahead = self._spec_ahead if self.config.scheduler.async_scheduling is not False else None
         self.runner.capture(max_num_seqs, families, self.max_model_len, ahead, prefill)
-        if self._spec_ahead is not None:  # what a prefill graph holds (none: prompt steps keep their drafts)
-            self._spec_ahead.prompt_tokens = max(self.runner.prefill_graphs, default=0)
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:

@@ -28,12 +28,12 @@ class EngineMetrics:
         self.prefix_queries = Counter("tandem:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r)
         self.prefix_hits = Counter("tandem:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels, registry=r)
         self.preemptions = Counter("tandem:num_preemptions", "Requests preempted (to be recomputed).", labels, registry=r)
-        self.model_steps = Counter("tandem:model_steps", ("Forward passes, by how they ran: cuda_graph; prefill_graph (a step of "
-                                   "one request's prompt chunk, from a prefill graph); prefill (a step with prefill "
-                                   "work, eager); eager (a decode or verify step without a graph)."),
+        self.model_steps = Counter("tandem:model_steps", ("Forward passes, by how they ran: cuda_graph; prefill_graph (a step with "
+                                   "prefill work, from a prefill graph); prefill (a step with prefill work, eager); "
+                                   "eager (a decode or verify step without a graph)."),
                                    labels + ["mode"], registry=r)
         self.drafter_steps = Counter("tandem:spec_decode_drafter_steps",
-                                     "Drafter forward passes, by how they ran (cuda_graph, eager, prefill).",
+                                     "Drafter forward passes, by how they ran (cuda_graph, eager, prefill_graph, prefill).",
                                      labels + ["mode"], registry=r)
         self.success = Counter("tandem:request_success", "Finished requests.", labels + ["finished_reason"], registry=r)
         self.hot_expert_hit_rate = Gauge("tandem:hot_expert_hit_rate",

@@ -345,18 +345,18 @@ class ModelRunner(AheadRunning):
 
     def _replay_prefill(self, batch: list[ScheduledRequest], t: int, pending: torch.Tensor | None) -> ForwardOutput:
         """Replay prefill graph `t` for the batch (see the module docstring)."""
-        num_logits, rows = self._stage_prefill(batch, t)
-        self._fill_pending(self._ids, batch, rows, pending)
+        num_logits, query_start = self._stage_prefill(batch, t)
+        self._fill_pending(self._ids, batch, query_start[:-1], pending)
         entry = self.prefill_graphs[t]
         entry.graph.replay()
-        aux = None if entry.aux is None else entry.aux[: sum(s.num_tokens for s in batch)]
+        aux = None if entry.aux is None else entry.aux[: query_start[-1]]
         return ForwardOutput(entry.logits[:num_logits], "prefill_graph", aux)
 
     def _stage_prefill(self, batch: list[ScheduledRequest], t: int) -> tuple[int, list[int]]:
         """Stage a prefill graph's inputs: the batch's queries packed, t minus their tokens pads at
         the end of the last one, empty queries for the seats without a request, the rows whose
-        logits the step needs. Returns how many of those rows there are, and each request's first
-        query row."""
+        logits the step needs. Returns how many of those rows there are, and the requests' query
+        starts (n + 1: the last is their tokens, pads not counted)."""
         static, host, n = self._static, self._static.host, len(batch)
         input_ids, positions, query_start, seq_lens, logits_rows, slots, tables = self._host_inputs(batch)
         seats, pad, bs = self._seq.shape[0], t - query_start[-1], self.block_size
@@ -368,18 +368,12 @@ class ModelRunner(AheadRunning):
         host["seq"][:seats] = seq_lens[:-1] + [seq_lens[-1] + pad] + [0] * (seats - n)
         host["logits_rows"][:rows] = logits_rows + [0] * (rows - len(logits_rows))
         corners = []
-        extra_blocks = max(1, -(-pad // bs))  # the pads' reach past the last request's blocks (the sink)
         for g, per_request in enumerate(tables):
-            sink = self.kv.null_block(g)
-            host[f"slots/{g}"][:t] = slots[g] + [sink * bs] * pad
-            width = max(len(ids) for ids in per_request) + extra_blocks
-            packed: list[int] = []
-            for ids in per_request:  # a seat without a request is never read: its query is empty
-                packed += ids + [sink] * (width - len(ids))
-            static.table_host(g, n, width)[:] = packed
-            corners.append((n, width))
+            host[f"slots/{g}"][:t] = slots[g] + [self.kv.null_block(g) * bs] * pad
+            # A seat without a request is never read (its query is empty): the requests' rows only.
+            corners.append(self._stage_table(g, per_request, n, pad))
         static.upload(corners)
-        return len(logits_rows), query_start[:-1]
+        return len(logits_rows), query_start
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def capture(self, max_num_seqs: int, families: dict[str, tuple[int, ...]], max_model_len: int,
@@ -387,9 +381,14 @@ class ModelRunner(AheadRunning):
         """Capture a graph for every (batch bucket, query length) of every family (a name for the
         log, e.g. "decode": (1,), "verify": (2, 3)). Logs each family's shapes and progress. With
         `ahead`, also the speculative steps ahead at every query length (`execute_ahead`); with
-        `prefill`, one request's prefill graph at each of those query lengths."""
+        `prefill`, a prefill graph at each of those token totals, unless the model's steps cannot
+        take them (`_prefill_blockers`, logged)."""
         self.buckets = batch_buckets(max_num_seqs)
         max_q = max(q for lens in families.values() for q in lens)
+        blockers = self._prefill_blockers() if prefill else []
+        if blockers:
+            logger.info("Prefill CUDA graphs off: %s; prompts prefill eagerly", " and ".join(blockers))
+            prefill = ()
         self._allocate_static(self.buckets[-1], max_q, -(-max_model_len // self.block_size) + 1,
                               ahead_rows=ahead.zero_row if ahead is not None else None,
                               min_tokens=max(prefill, default=0), logits_rows=min(max(prefill, default=0),
@@ -427,6 +426,16 @@ class ModelRunner(AheadRunning):
                 total += len(prefill)
         torch.cuda.synchronize(dev)
         logger.info("Captured %d CUDA graphs in %.1f s", total, time.perf_counter() - start)
+
+    def _prefill_blockers(self) -> list[str]:
+        """What keeps this runner's steps out of prefill graphs (empty: nothing): routed experts on
+        the CPU (their kernel is sized by the padded batch) and KV groups other than full
+        attention (their state per token takes no pads beyond a verify's)."""
+        why = ["routed experts run on the CPU"] if self._live_rows is not None else []
+        other = sorted({g.spec.kind for g in self.kv.groups} - {"full"})
+        if other:
+            why.append(f"KV cache groups of kind {', '.join(other)}")
+        return why
 
     def _allocate_static(self, max_b: int, max_q: int, max_blocks: int, ahead_rows: int | None = None,
                          min_tokens: int = 0, logits_rows: int = 1) -> None:
@@ -511,10 +520,9 @@ class ModelRunner(AheadRunning):
         self._qsl[0] = 0  # the pattern: one request of t tokens, the other seats empty
         self._seq[:seats].fill_(0)
         self._seq[0] = t
-        rows = self._logits_rows[: min(t, self._logits_rows.shape[0])]
         # The host copies of the lengths are not read by capturable backends: they vary per replay.
         step = self._prefill_step(t, seats, (0,) + (t,) * seats, (t,) + (0,) * (seats - 1))
-        ids, pos = self._ids[:t], self._pos[:t]
+        ids, pos, rows = self._ids[:t], self._pos[:t], step.logits_indices
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             hidden, aux = self._forward(ids, pos, step)
@@ -595,6 +603,21 @@ class ModelRunner(AheadRunning):
             aux = entry.aux[host_to_device(real, torch.int64, self.device)]
         return ForwardOutput(logits, "cuda_graph", aux)
 
+    def _stage_table(self, g: int, per_request: list[list[int]], rows: int, max_pad: int) -> tuple[int, int]:
+        """Stage block table g's corner [:rows, :width] (each request's blocks, then the sink; rows
+        past the requests all sink) and return (rows, width). A row is read up to ceil(padded
+        seq_len / block_size) entries: `max_pad` pad tokens may reach that many positions past a
+        request's own blocks (at least one block: a verify's pads, more for a prefill graph's or
+        small blocks), into the sink."""
+        sink = self.kv.null_block(g)
+        width = max(len(ids) for ids in per_request) + max(1, -(-max_pad // self.block_size))
+        packed: list[int] = []
+        for ids in per_request:
+            packed += ids + [sink] * (width - len(ids))
+        packed += [sink] * ((rows - len(per_request)) * width)
+        self._static.table_host(g, rows, width)[:] = packed
+        return rows, width
+
     def _stage_inputs(self, batch: list[ScheduledRequest], bucket: int, q: int,
                       extra: dict[str, list[int]] | None = None) -> None:
         """Write every input graph (bucket, q) reads into the host staging, padded rows and pad
@@ -623,21 +646,10 @@ class ModelRunner(AheadRunning):
         host["pos"][:tokens] = pos + [0] * pad_tokens
         host["qsl"][: bucket + 1] = range(0, (bucket + 1) * q, q)
         host["seq"][:bucket] = [length + q - s.num_tokens for length, s in zip(seq_lens, batch)] + [q] * (bucket - n)
-        corners = []
-        # Rows are read up to ceil(padded seq_len / block_size) entries: pads may reach past the
-        # request's own blocks (one block for a verify's, more for a prefill graph's), which hold
-        # the sink; padded batch rows hold only the sink.
-        extra_blocks = max(1, -(-max(q - s.num_tokens for s in batch) // self.block_size))
+        corners, max_pad = [], max(q - s.num_tokens for s in batch)
         for g, rows in enumerate(tables):
             host[f"slots/{g}"][:tokens] = slot_rows[g] + [sinks[g] * self.block_size] * pad_tokens
-            width = max(len(t) for t in rows) + extra_blocks
-            packed: list[int] = []
-            for t in rows:
-                packed += t
-                packed += [sinks[g]] * (width - len(t))
-            packed += [sinks[g]] * ((bucket - n) * width)
-            static.table_host(g, bucket, width)[:] = packed
-            corners.append((bucket, width))
+            corners.append(self._stage_table(g, rows, bucket, max_pad))
         states = self._group_states(batch)
         if any(state is not None for state in states):
             for name, values in self._state_lists(batch, states, real_pos).items():

@@ -152,7 +152,8 @@ class SpecAhead:
     (`ModelRunner.execute_ahead`)."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, scheduler: Scheduler, spec: SpecDecoder,
-                 max_num_seqs: int, generator_for: Callable[[Request], torch.Generator]) -> None:
+                 max_num_seqs: int, generator_for: Callable[[Request], torch.Generator],
+                 prompt_tokens: int = 0) -> None:
         self.runner, self.kv, self.scheduler, self.spec = runner, kv, scheduler, spec
         self.proposer = spec.proposer
         self.max_num_seqs = max_num_seqs
@@ -170,10 +171,9 @@ class SpecAhead:
         self.uniform = torch.zeros(max_num_seqs + 1, max(kmax, 1), device=self.device)
         self.final_gumbel = torch.zeros(max_num_seqs + 1, vocab, device=self.device)
         self.sampled_ahead = True  # False when the sampled graphs failed to capture (ModelRunner says why)
-        # The most tokens of a step with prompt work that drafts nothing to go ahead (plain_for_prompt):
-        # the largest prefill graph once captured (the engine sets it; eager, --prefill-graph-max-tokens);
-        # 0: such steps keep their drafts.
-        self.prompt_tokens = 0
+        # --prefill-graph-max-tokens: the most tokens of a prompt step that drafts nothing to go ahead
+        # when the runner has no graphs (eager); with graphs, the largest prefill graph (plain_for_prompt).
+        self.prompt_tokens = prompt_tokens
 
     @staticmethod
     def unsupported(spec: SpecDecoder, kv: KVCacheManager) -> str | None:
@@ -282,11 +282,13 @@ class SpecAhead:
         no request has a grammar. With drafts, that step would verify synchronously: land the
         drafter's forward, then the verify, each a wait on the device (3-4 ms a step at 4 and 16
         requests on the H200, against 1 ms for the plain prefill step). A longer step keeps its
-        drafts (more than `prompt_tokens`): its own forward outweighs the waits."""
-        sched, cap = self.scheduler, self.prompt_tokens
+        drafts (more than the largest prefill graph holds; eager, `prompt_tokens`): its own
+        forward outweighs the waits."""
+        sched, graphs = self.scheduler, self.runner.prefill_graphs
+        cap = max(graphs, default=0) if self.runner.graphs else self.prompt_tokens
         running = sched.running
         head = sched.waiting[0] if sched.waiting else None
-        if not cap or any(r.params.grammar is not None for r in (*running, *([head] if head else []))):
+        if not cap or any(r.params.grammar is not None for r in (running if head is None else [*running, head])):
             return False
         budget = sched.config.batched_tokens
         pending = sum(r.num_tokens - r.num_computed_tokens for r in running)  # decodes 1; prompts their rest

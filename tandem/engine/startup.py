@@ -238,24 +238,12 @@ def graph_blockers(model: CausalLM, rc: RunnerConfig) -> list[str]:
 
 
 def prefill_graph_lens(engine: LLMEngine) -> tuple[int, ...]:
-    """The token totals of the prefill graphs to capture (--prefill-graph-max-tokens, at most
-    --max-num-batched-tokens and the context); () when off or the model's step cannot take them,
-    logged once: routed experts on the CPU (their kernel is sized by the padded batch) and KV
-    groups other than full attention (their state per token takes no pads beyond a verify's)."""
+    """The token totals of the prefill graphs to capture: --prefill-graph-max-tokens, at most
+    --max-num-batched-tokens and the context (() when off). Each runner leaves them out where its
+    model's steps cannot take them (`ModelRunner.capture`)."""
     cap = min(engine.runner_config.prefill_graph_max_tokens, engine.config.scheduler.batched_tokens,
               engine.max_model_len)
-    if cap <= 0:
-        return ()
-    why = []
-    if getattr(engine.model, "cpu_experts", None) is not None:
-        why.append("routed experts run on the CPU")
-    other = sorted({g.spec.kind for g in engine.kv.groups} - {"full"})
-    if other:
-        why.append(f"KV cache groups of kind {', '.join(other)}")
-    if why:
-        logger.info("Prefill CUDA graphs off: %s; prompts prefill eagerly", " and ".join(why))
-        return ()
-    return prefill_buckets(cap)
+    return prefill_buckets(cap) if cap > 0 else ()
 
 
 def log_ready(engine: LLMEngine, num_blocks: int | tuple[int, ...], block_size: int) -> None:

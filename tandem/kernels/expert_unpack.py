@@ -11,8 +11,8 @@ expert_layout.py). Per tile of 16 rows over K inputs, by format:
     int4   per block: [16] bf16 scales, then 4 octets of [16 rows][2 words]  value = code (-8..7) * scale
     mxfp4  per block: [16] E8M0 scales, then the same octets of E2M1 codes  value = e2m1(code) * 2^(s - 127)
 
-where nibble s of word w of row r in octet o holds input 8o + 2s + w. The values are computed in float32 exactly as moe_scalar.cpp's decode_block (code x scale)
-and rounded once to `dtype`; the torch path of streaming.py computes the same and is the
+where nibble s of word w of row r in octet o holds input 8o + 2s + w. The values are computed in
+float32 exactly as moe_scalar.cpp's decode_block (code x scale) and rounded once to `dtype`; the torch path of streaming.py computes the same and is the
 reference of the tests.
 
 One program decodes BLOCKS blocks (32 inputs each) of one tile of one expert: the grid is

@@ -103,13 +103,9 @@ class DraftModelProposer:
     def capture(self, max_num_seqs: int, max_model_len: int, prefill: tuple[int, ...] = ()) -> None:
         """Graphs of one and two query tokens per request, and prefill graphs at the token totals
         `prefill` (the target's): the drafter's prompt chunks (`observe`) and its catch-up after
-        steps at K = 0 replay them instead of costing an eager forward's host time. Not for a
-        draft model with KV groups other than full attention (as the target's, see
-        `startup.prefill_graph_lens`)."""
-        assert self.runner is not None and self.kv is not None, "allocate() first"
-        if prefill and any(g.spec.kind != "full" for g in self.kv.groups):
-            logger.info("Prefill CUDA graphs off for the draft model: KV cache groups of another kind than full")
-            prefill = ()
+        steps at K = 0 replay them instead of costing an eager forward's host time (where its
+        model's steps can take them: `ModelRunner.capture`)."""
+        assert self.runner is not None, "allocate() first"
         self.runner.capture(max_num_seqs, {"drafter": (1, 2)}, max_model_len, prefill=prefill)
 
     def measure(self, buckets: Sequence[int], depths: Sequence[int], repeats: int = 5) -> dict[tuple[int, int], float]:

@@ -10,12 +10,13 @@
 // bf16 activations (ISA avx512bf16, for bf16 / int4 / mxfp4 weights when the hidden state is
 // bf16): vdpbf16ps multiplies a weight pair by the token's activation pair in one instruction.
 // The nibbles become bf16 pairs through vpermw over a bf16 table (every E2M1 and int4 value is
-// exact in bf16): four lookups per octet, no widening (moe.h's layout). Products are exact, sums fp32; the SwiGLU intermediate is rounded to
-// bf16 for the down projection (the bf16 GPU model rounds it too). These functions carry
+// exact in bf16): four lookups per octet, no widening (moe.h's layout). Products are exact, sums
+// fp32; the SwiGLU intermediate is rounded to bf16 for the down projection (the bf16 GPU model
+// rounds it too). These functions carry
 // target("avx512bf16") so that nothing else in this file may use the instruction.
 //
-// No AMX and no VNNI: decode is bound by RAM bandwidth, and at 1-8 tokens per expert converting
-// the weights in registers costs less than the loads; VNNI would need int8 activations (lossy).
+// No AMX and no VNNI: at 1-8 tokens per expert the decode is the cost, not the products (an AMX
+// path for one token, tried, was no faster: BENCHMARKS.md); VNNI would need int8 activations (lossy).
 #include <immintrin.h>
 
 #include "moe.h"
