@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 from moe_refs import dense_reference, make_clamped_experts, make_experts, rel_err  # noqa: E402
 from tandem.kernels.fused import fused_ops  # noqa: E402
 from triton_interp import interpreted_module, kernel_test_setup  # noqa: E402, F401 (autouse fixture)
+from tandem.kernels.moe_crossover import choose_limit, graph_seconds, token_grid, tune_small_batch  # noqa: E402
 from tandem.kernels.moe_grouped import GroupedMoEExecutor  # noqa: E402
 from tandem.models.layers.moe import SparseMoeBlock, make_moe_executor  # noqa: E402
 
@@ -142,6 +143,20 @@ def test_dispatch_rule(moe_small, monkeypatch):
     GroupedMoEExecutor(experts)(x[:2], ids[:2], w[:2])  # CPU default: the grouped GEMMs
     assert spy.calls == 1
     assert make_moe_executor("grouped", experts).small is None
+    small.small_max_pairs = 66  # what moe_crossover sets after measuring
+    small(x, ids, w)
+    assert spy.calls == 2
+    small.small_max_pairs = 0  # the small path lost at one token
+    small(x[:1], ids[:1], w[:1])
+    assert spy.calls == 2
+
+
+def test_crossover_keeps_the_small_path_up_to_its_first_loss():
+    assert token_grid(20) == [1, 2, 3, 4, 5, 7, 9, 12, 15, 19, 20] and token_grid(1) == [1]
+    rows = [(1, 1.0, 2.0), (4, 1.5, 2.0), (9, 2.0, 2.0), (12, 2.5, 2.0), (15, 1.0, 2.0)]
+    assert choose_limit(rows, top_k=4) == 36  # ties keep the small path; a later win is not trusted
+    assert choose_limit([(1, 3.0, 2.0)], top_k=8) == 0
+    assert choose_limit([], top_k=8) == 0
 
 
 @pytest.mark.parametrize("num,k,tokens", [(8, 2, 5), (60, 4, 3), (128, 8, 2)])
@@ -248,26 +263,9 @@ def test_cuda_graph_capture_and_replay_router_and_experts(moe_small, qwen_expert
         assert torch.equal(ids, eager_ids) and torch.equal(out, eager_out), seed
 
 
-def _time_us(fn, reps: int = 50) -> float:
+def _time_us(fn) -> float:
     """GPU time per call of fn, replayed from a CUDA graph (as the decode step runs it)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+    return graph_seconds(fn, reps=50) * 1e6
 
 
 @pytest.mark.gpu
@@ -301,3 +299,28 @@ def test_cuda_qwen3_layer_timing_small_vs_grouped(moe_small, qwen_experts):
 
     t_fused = _time_us(lambda: moe_small.route_topk(logits, k, True, out_dtype=torch.bfloat16))
     print(f"\nrouter T=1: fused {t_fused:5.1f} us, torch {_time_us(torch_router):5.1f} us")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_crossover_is_measured_per_shape_and_keeps_results(moe_small, qwen_experts):
+    """The Qwen3-30B-A3B shape and a demo-sized one (experts in L2): each gets its own measured
+    limit, consistent with its timed rows, and a step above the old fixed limit that now takes
+    the small path gives the grouped path's result."""
+    tiny = make_experts(num=16, hidden=256, inter=128, dtype=torch.bfloat16, device="cuda", std=0.05)
+    qwen = GroupedMoEExecutor(qwen_experts)
+    small = [GroupedMoEExecutor(tiny), GroupedMoEExecutor(tiny)]
+    found = tune_small_batch([(qwen, QWEN["k"]), (small[0], 4), (small[1], 4)], max_tokens=96)
+    assert len(found) == 2  # one measurement per distinct shape
+    for result in found:
+        assert result.max_pairs == choose_limit(result.rows, result.top_k)
+        print(f"\n{result.describe()}")
+    assert qwen.small_max_pairs == found[0].max_pairs
+    assert small[0].small_max_pairs == small[1].small_max_pairs == found[1].max_pairs
+    tokens = found[1].max_pairs // 4
+    if tokens * 4 > moe_small.SMALL_MAX_PAIRS:
+        x = torch.randn(tokens, 256, device="cuda").bfloat16()
+        ids, w = routing("random", tokens, num=16, k=4, device="cuda", seed=3)
+        w = w.bfloat16()
+        assert small[0].takes_small(tokens * 4)
+        assert rel_err(small[0](x, ids, w), small[0].grouped(x, ids, w)) < 2e-2

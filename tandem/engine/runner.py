@@ -41,6 +41,7 @@ from tandem.core import GroupState, StepMetadata
 from tandem.engine.runner_ahead import AHEAD_FIELDS, AheadHooks, AheadRunning
 from tandem.engine.scheduler import ScheduledRequest
 from tandem.engine.static_inputs import StaticInputs, host_to_device
+from tandem.kernels.moe_grouped import GroupedMoEExecutor
 from tandem.kv.groups import entry_slots, token_slots
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.tensors import LayerCache, allocate_layer_caches
@@ -389,6 +390,7 @@ class ModelRunner(AheadRunning):
         if blockers:
             logger.info("Prefill CUDA graphs off: %s; prompts prefill eagerly", " and ".join(blockers))
             prefill = ()
+        self._tune_moe_small(max(self.buckets[-1] * max_q, max(prefill, default=0)))
         self._allocate_static(self.buckets[-1], max_q, -(-max_model_len // self.block_size) + 1,
                               ahead_rows=ahead.zero_row if ahead is not None else None,
                               min_tokens=max(prefill, default=0), logits_rows=min(max(prefill, default=0),
@@ -426,6 +428,17 @@ class ModelRunner(AheadRunning):
                 total += len(prefill)
         torch.cuda.synchronize(dev)
         logger.info("Captured %d CUDA graphs in %.1f s", total, time.perf_counter() - start)
+
+    def _tune_moe_small(self, max_tokens: int) -> None:
+        """Before capture: measure, per MoE layer shape on the GPU, up to which step size the
+        small-batch expert kernels beat the grouped GEMMs, for the steps the graphs will hold
+        (`tandem.kernels.moe_crossover`; logged). Layers with other executors keep theirs."""
+        blocks = self.model.moe_blocks().values() if hasattr(self.model, "moe_blocks") else ()
+        executors = [(b.executor, b.top_k) for b in blocks if isinstance(b.executor, GroupedMoEExecutor)]
+        if executors:
+            from tandem.kernels.moe_crossover import tune_small_batch
+
+            tune_small_batch(executors, max_tokens)
 
     def _prefill_blockers(self) -> list[str]:
         """What keeps this runner's steps out of prefill graphs (empty: nothing): routed experts on

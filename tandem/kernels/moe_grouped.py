@@ -15,10 +15,12 @@ and `w2 [E, H, I]`, and re-points every expert Linear's `weight` at a view of th
 names, shapes and `state_dict` keys are unchanged and the model holds each weight once; the only
 transient is one layer's experts while that layer is restacked (install layer by layer).
 
-Small batches (T * k <= moe_small.SMALL_MAX_PAIRS: decode and short verify steps) on CUDA go to the
-Triton GEMV kernels of `moe_small` instead, which read the same stacks (switch: the fused-ops
-setting, `tandem.kernels.fused.set_fused_ops`). The choice is made on the host from the static
-shape, so each captured graph holds one path.
+Small batches (T * k <= the executor's `small_max_pairs`: decode and short verify steps) on CUDA go
+to the Triton GEMV kernels of `moe_small` instead, which read the same stacks (switch: the fused-ops
+setting, `tandem.kernels.fused.set_fused_ops`). The limit starts at moe_small.SMALL_MAX_PAIRS; the
+runner measures where the two paths cross on this GPU and layer shape before it captures graphs
+(`tandem.kernels.moe_crossover`). The choice is made on the host from the static shape, so each
+captured graph holds one path.
 
 `torch._grouped_mm` wants 16-byte-aligned strides; on CUDA it is the fast path only in bf16 on
 sm90+ (H100/H200). Anything else is refused with an error naming the dtype and device: the
@@ -125,8 +127,9 @@ def pack_expert_weights(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Ten
 class GroupedMoEExecutor:
     """Sort-by-expert + two `torch._grouped_mm` calls; sync-free and CUDA-graph capturable.
 
-    `small_batch`: send steps with T * k <= SMALL_MAX_PAIRS to `moe_small.fused_moe_small`
-    (default: on CUDA, while the fused ops are on; True on CPU runs it under TRITON_INTERPRET=1).
+    `small_batch`: send steps with T * k <= `small_max_pairs` (moe_small.SMALL_MAX_PAIRS until
+    `moe_crossover.tune_small_batch` measures it) to `moe_small.fused_moe_small` (default: on CUDA,
+    while the fused ops are on; True on CPU runs it under TRITON_INTERPRET=1).
     """
 
     def __init__(self, experts: nn.ModuleList, small_batch: bool | None = None) -> None:
@@ -146,12 +149,13 @@ class GroupedMoEExecutor:
         # For each expert e, a probe for searchsorted: offs[e] = number of sorted ids <= e.
         self.expert_range = torch.arange(self.num_experts, device=w.device)  # [E] int64
         self.small = None  # the moe_small module when the small-batch path may run (imports Triton)
+        self.small_max_pairs = 0  # the most (token, slot) pairs a step may have to take the small path
         if small_batch is None:
             small_batch = w.device.type == "cuda"
         if small_batch:
             from tandem.kernels import moe_small
 
-            self.small = moe_small
+            self.small, self.small_max_pairs = moe_small, moe_small.SMALL_MAX_PAIRS
 
     def _check_weights(self) -> None:
         # Host-side pointer compare, no device sync: catches weights replaced after packing
@@ -167,9 +171,16 @@ class GroupedMoEExecutor:
         num_tokens, k = topk_ids.shape
         if num_tokens == 0:
             return torch.zeros_like(hidden)
-        small = self.small
-        if small is not None and num_tokens * k <= small.SMALL_MAX_PAIRS and small.fused_ops_enabled():
-            return small.fused_moe_small(hidden, topk_ids, topk_weights, self.w13, self.w2, self.limit)
+        if self.takes_small(num_tokens * k):
+            return self.small.fused_moe_small(hidden, topk_ids, topk_weights, self.w13, self.w2, self.limit)
+        return self.grouped(hidden, topk_ids, topk_weights)
+
+    def takes_small(self, pairs: int) -> bool:
+        """Whether a step of `pairs` (token, slot) pairs runs the small-batch kernels."""
+        return self.small is not None and pairs <= self.small_max_pairs and self.small.fused_ops_enabled()
+
+    def grouped(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The grouped-GEMM path (steps 1-3 of the module docstring) whatever the batch size."""
         x, order, offs = sort_by_expert(hidden, topk_ids, self.expert_range)
         return combine_slots(expert_rows(x, self.w13, self.w2, offs, self.limit), order, topk_weights)
 
