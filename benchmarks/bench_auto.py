@@ -56,12 +56,17 @@ def workload(n: int) -> list[list[int]]:
     return out[:n]
 
 
-def configs(methods: list[str], kmax: int) -> dict[str, dict | None]:
+def configs(methods: list[str], kmax: int, fitted: list[dict[str, int]] = ()) -> dict[str, dict | None]:
+    """Every configuration by name; each of `fitted` adds "<method> phase-fit", "phase-fit2", ..:
+    `phase` with that phase_k (chosen for the demo pair's own acceptance, not the seed's model's)."""
     out: dict[str, dict | None] = {"none": None}
     for m in methods:
         for k in range(1, kmax + 1):
             out[f"{m} K={k}"] = {"method": m, "num_speculative_tokens": k}
         out[f"{m} phase"] = {"method": m, "num_speculative_tokens": kmax, "adaptive": "phase", "phase_k": PHASE_K}
+        for i, phase_k in enumerate(fitted):
+            out[f"{m} phase-fit{i + 1 if i else ''}"] = {"method": m, "num_speculative_tokens": kmax,
+                                                         "adaptive": "phase", "phase_k": phase_k}
         out[f"{m} auto"] = {"method": m, "num_speculative_tokens": kmax, "adaptive": "auto"}
     return out
 
@@ -181,7 +186,12 @@ def summarize(delta: dict[tuple, float]) -> dict[str, Any]:
         if drafts:
             out[phase] = {"drafts": drafts, "accept_len": 1 + get("num_accepted_tokens", phase=phase) / drafts,
                           "k": {k: get("k", phase=phase, k=str(k)) for k in range(0, 9)
-                                if get("k", phase=phase, k=str(k))}}
+                                if get("k", phase=phase, k=str(k))},
+                          # drafts accepted at each position, of all the phase's drafts (what a
+                          # phase_k is fitted from: the phase's a_1, a_1 a_2, ..)
+                          "accepted_at": [round(get("num_accepted_tokens_per_pos", phase=phase, position=str(p)) / drafts, 4)
+                                          for p in range(8)
+                                          if get("num_accepted_tokens_per_pos", phase=phase, position=str(p))]}
             if get("predicted_accepted_tokens", phase=phase):  # auto only
                 out[phase]["predicted_accept_len"] = 1 + get("predicted_accepted_tokens", phase=phase) / drafts
     steps = get("timed_steps")
@@ -232,6 +242,9 @@ def main() -> None:
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (default 1)")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--phase-k-fit", default=None, metavar="JSON",
+                    help='also run `phase` with these phase_k (";" between them), e.g. \'{"reasoning": 4, "content": 3}\' '
+                         '("<method> phase-fit", "phase-fit2", ..)')
     ap.add_argument("--only", default=None, help="comma-separated configuration names to run (default all)")
     ap.add_argument("--stage-clock", action="store_true",
                     help="time the speculative stage's host work per configuration (propose, observe, counters)")
@@ -244,7 +257,7 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = workload(args.prompts)
-    table = configs(args.methods.split(","), args.kmax)
+    table = configs(args.methods.split(","), args.kmax, [json.loads(f) for f in args.phase_k_fit.split(";")] if args.phase_k_fit else [])
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
     variants = [(name, spec, None) for name, spec in table.items()]
