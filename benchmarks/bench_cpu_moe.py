@@ -157,19 +157,24 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
         stage_ids, stage_w = torch.empty_like(ids[0]), torch.empty_like(w[0]).bfloat16()
         count = torch.tensor([batch], dtype=torch.int32)
         jobs = [layer.host_job(x, stage_ids, stage_w, out, count) for layer in layers]
-        # Prefetch settings A/B: each call runs under every setting in turn (the layer after the
-        # one timed last, so each still starts cold), so that drift weighs on all of them alike.
-        times: dict[tuple[int, int] | None, list[float]] = {pf: [] for pf in args.prefetch}
+        # Settings A/B (ISAs x prefetch distances): each call runs under every setting in turn (the
+        # layer after the one timed last, so each still starts cold), so that drift weighs on all
+        # of them alike.
+        settings = [(isa, pf) for isa in args.isas for pf in args.prefetch]
+        times: dict[tuple, list[float]] = {st: [] for st in settings}
         at = 0
         for c in range(args.warmup + args.calls):
-            for pf in args.prefetch:
+            for isa, pf in settings:
+                if isa is not None:
+                    ce.set_isa(isa)
                 if pf is not None:
                     ce.set_prefetch(*pf)
                 stage_ids.copy_(ids[c]), stage_w.copy_(w[c])  # untimed, as the D2H copy would be
-                times[pf].append(seconds(jobs[at % len(jobs)].run))
+                times[(isa, pf)].append(seconds(jobs[at % len(jobs)].run))
                 at += 1
-        for pf, ts in times.items():
-            impl = f"tandem-{fmt}" + ("" if pf is None else f" pf{pf[0]}/{pf[1]}")
+        for (isa, pf), ts in times.items():
+            impl = (f"tandem-{fmt}" + ("" if isa is None or len(args.isas) == 1 else f" {isa}")
+                    + ("" if pf is None else f" pf{pf[0]}/{pf[1]}"))
             median = statistics.median(ts[args.warmup:])
             rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth))
     return rows
@@ -269,7 +274,9 @@ def main() -> None:
     p.add_argument("--fmt", default="bf16,mxfp4,int4", help=f"comma list of {','.join(ce.WEIGHT_FORMATS)}")
     p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--threads", type=int, default=None, help="kernel (and torch) threads; default the kernel's")
-    p.add_argument("--isa", default=None, choices=ce.ISAS, help="force the kernel's ISA (default the best)")
+    p.add_argument("--isa", default=None,
+                   help=f"force the kernel's ISA ({', '.join(ce.ISAS)}; default the best); a comma list A/Bs them, "
+                        "interleaved per call")
     p.add_argument("--num-experts-kept", type=int, default=None, help="route over this many experts (default all)")
     p.add_argument("--layers", type=int, default=0, help="layers cycled per call (default: enough for a cold working set)")
     p.add_argument("--calls", type=int, default=50, help="timed calls per batch")
@@ -285,6 +292,10 @@ def main() -> None:
     args.prefetch = [None] if not args.prefetch else [
         tuple(int(v) for v in pair.split(":")) for pair in args.prefetch.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.isas = [None] if not args.isa else args.isa.split(",")
+    for isa in args.isas:
+        if isa not in ce.ISAS:
+            p.error(f"unknown ISA {isa!r}; known: {', '.join(ce.ISAS)}")
     fmts = args.fmt.split(",")
     for fmt in fmts:
         if fmt not in ce.WEIGHT_FORMATS:
@@ -296,7 +307,7 @@ def main() -> None:
     args.budget = (args.max_gib * GiB) if args.max_gib else 0.7 * available_bytes()
     if args.threads:
         ce.set_threads(args.threads)
-    ce.set_isa(args.isa)
+    ce.set_isa(args.isas[0])
     torch.set_num_threads(ce.num_threads())
 
     bandwidth = ce.measure_read_bandwidth(int(args.bw_gib * GiB), repeats=5)
