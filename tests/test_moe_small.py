@@ -159,6 +159,29 @@ def test_crossover_keeps_the_small_path_up_to_its_first_loss():
     assert choose_limit([], top_k=8) == 0
 
 
+def test_crossover_sets_each_shape_and_a_failed_measurement_keeps_the_default(moe_small, monkeypatch, caplog):
+    """One measurement per distinct shape, its limit set on every executor of that shape; a
+    shape whose measurement raises (out of memory, say) keeps its limit and is logged."""
+    from tandem.kernels import moe_crossover
+
+    a, b = GroupedMoEExecutor(make_experts(), small_batch=True), GroupedMoEExecutor(make_experts(), small_batch=True)
+    other = GroupedMoEExecutor(make_experts(num=4), small_batch=True)
+    seen = []
+
+    def fake_measure(group, top_k, max_tokens):  # noqa: ANN001, ANN202
+        seen.append(len(group))
+        if group[0] is other:
+            raise RuntimeError("CUDA out of memory")
+        return moe_crossover.Crossover(top_k, ((1, 1.0, 2.0), (5, 3.0, 2.0)), choose_limit([(1, 1.0, 2.0), (5, 3.0, 2.0)], top_k))
+
+    monkeypatch.setattr(moe_crossover, "measure", fake_measure)
+    found = tune_small_batch([(a, 2), (b, 2), (other, 2)], max_tokens=8)
+    assert seen == [2, 1] and len(found) == 1
+    assert a.small_max_pairs == b.small_max_pairs == 2  # up to 1 token of top-2
+    assert other.small_max_pairs == moe_small.SMALL_MAX_PAIRS
+    assert "could not be measured" in caplog.text and "CUDA out of memory" in caplog.text
+
+
 @pytest.mark.parametrize("num,k,tokens", [(8, 2, 5), (60, 4, 3), (128, 8, 2)])
 @pytest.mark.parametrize("norm", [True, False])
 def test_router_matches_torch_route(moe_small, num, k, tokens, norm):

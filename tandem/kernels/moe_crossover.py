@@ -127,7 +127,8 @@ def tune_small_batch(executors: Sequence[tuple[GroupedMoEExecutor, int]], max_to
     """Measure the crossover once per distinct layer shape among `executors` ((executor, top_k)
     pairs; those without the small path are left as they are) for steps of up to `max_tokens`
     tokens, set each executor's `small_max_pairs`, log one line per shape. Call on CUDA, outside
-    any graph capture, before the steps' graphs are captured."""
+    any graph capture, before the steps' graphs are captured. A shape whose measurement fails
+    (e.g. out of memory) keeps its limit, with a warning."""
     shapes: dict[tuple, list[GroupedMoEExecutor]] = {}
     for ex, top_k in executors:
         if ex.small is None or not ex.small.fused_ops_enabled():
@@ -137,7 +138,12 @@ def tune_small_batch(executors: Sequence[tuple[GroupedMoEExecutor, int]], max_to
     results = []
     with torch.inference_mode():
         for key, group in shapes.items():
-            found = measure(group, key[-1], max_tokens)
+            try:
+                found = measure(group, key[-1], max_tokens)
+            except RuntimeError as e:  # e.g. out of memory: serving goes on with the default limit
+                logger.warning("MoE layers %s: the small-batch crossover could not be measured (%s); keeping the "
+                               "default of %d pairs", "x".join(map(str, key[0])), e, group[0].small_max_pairs)
+                continue
             for ex in group:
                 ex.small_max_pairs = found.max_pairs
             logger.info("MoE layers %s x %d: %s", "x".join(map(str, key[0])), len(group), found.describe())
