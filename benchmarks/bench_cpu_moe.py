@@ -294,7 +294,7 @@ def main() -> None:
     args.batches = [int(b) for b in args.batches.split(",")]
     args.isas = [None] if not args.isa else args.isa.split(",")
     for isa in args.isas:
-        if isa not in ce.ISAS:
+        if isa is not None and isa not in ce.ISAS:
             p.error(f"unknown ISA {isa!r}; known: {', '.join(ce.ISAS)}")
     fmts = args.fmt.split(",")
     for fmt in fmts:

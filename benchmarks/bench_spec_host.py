@@ -1,10 +1,22 @@
 """Host time of the speculative stage per step, with a proposer that costs nothing: what a K
-policy's own bookkeeping adds to every step (`SpecDecoder.propose`, `observe`, `observe_step`),
-`adaptive: off` against `auto`, at several batch sizes. No model runs; requests advance by what a
-random verify accepted. On a small GPU step this host time is what separates policies that choose
-the same K (the device machine's Xeon runs Python about three times slower than the CPU machine).
+policy's own bookkeeping adds to every step, `adaptive: off` against `auto`, at several batch
+sizes. No model runs; requests advance by what a random verify accepted (each draft position
+accepted with probability `--accept`, as the demo pair's DSpark does in reasoning). On a small GPU
+step this host time is what separates policies that choose the same K (the device machine's Xeon
+runs Python about three times slower than the CPU machine).
 
-    python benchmarks/bench_spec_host.py --batches 1,4,16 --steps 3000
+Three paths, each the calls the engine makes on it:
+  sync   a synchronous verify step: `propose` (the K choice and the drafts), `observe`, `observe_step`;
+  ahead  a speculative step ahead (DSpark with async scheduling): `choose_ahead`, `pending_choices`,
+         `commit_ahead`, and when the step before lands, `observe_ahead` per request and `observe_step`;
+  plain  a step that drafts nothing going ahead (auto at K = 0, the drafter 8x dearer than the
+         table so that drafting does not pay): `plan_ahead`, the K counts, `observe`,
+         `observe_step`; a probe out of K = 0 runs the sync path. Its baseline is `phase` with
+         every phase_k 0, which drafts nothing either.
+The cost table is the demo pair's, measured on the H100 box at Kmax 7 (BENCHMARKS.md, session 13):
+a verify token costs ~1% of a 0.31 ms step at batch 1, ~5% at 16, and the drafter 0.11-0.32 ms.
+
+    python benchmarks/bench_spec_host.py --batches 1,4,16 --steps 3000 --path ahead
 """
 
 from __future__ import annotations
@@ -26,13 +38,32 @@ from tandem.core import Request, SamplingParams  # noqa: E402
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 from tandem.spec.auto import AutoK  # noqa: E402
 from tandem.spec.controller import SpecDecoder  # noqa: E402
-from tandem.spec.goodput import hand_cost  # noqa: E402
+from tandem.spec.goodput import StepCost  # noqa: E402
 from tandem.spec.proposer import Draft  # noqa: E402
 from tandem.tokenizer import Tokenizer  # noqa: E402
 
-KMAX = 4
-# A GPU-like table: a verify token costs 5% of a 1 ms step, at every bucket.
-COST = {b: {q: 1e-3 * (1 + 0.05 * (q - 1)) for q in range(1, KMAX + 2)} for b in (1, 2, 4, 8, 16, 32, 64)}
+KMAX = 7
+BUCKETS = (1, 2, 4, 8, 16)
+# ms: the target's step per (bucket, q = 1..8) and the drafter's per (bucket, depth 1..7), dspark
+# auto's start-up table in call 18 of session 13 (H100 box, demo pair).
+VERIFY_MS = {1: (0.310, 0.306, 0.313, 0.318, 0.316, 0.314, 0.314, 0.313),
+             2: (0.313, 0.310, 0.315, 0.317, 0.307, 0.327, 0.324, 0.323),
+             4: (0.311, 0.322, 0.323, 0.327, 0.331, 0.339, 0.340, 0.341),
+             8: (0.312, 0.324, 0.333, 0.339, 0.350, 0.361, 0.369, 0.379),
+             16: (0.322, 0.343, 0.359, 0.371, 0.399, 0.420, 0.446, 0.448)}
+DRAFT_MS = {1: (0.111, 0.120, 0.134, 0.147, 0.160, 0.171, 0.184),
+            2: (0.115, 0.129, 0.143, 0.157, 0.175, 0.191, 0.206),
+            4: (0.121, 0.135, 0.152, 0.169, 0.189, 0.205, 0.221),
+            8: (0.128, 0.148, 0.167, 0.190, 0.212, 0.233, 0.254),
+            16: (0.139, 0.169, 0.201, 0.230, 0.261, 0.294, 0.321)}
+
+
+def step_cost(draft_scale: float) -> StepCost:
+    """The table as a padded cost; `draft_scale` multiplies the drafter's times (a draft model's
+    K sequential forwards make drafting dearer than it pays: the `plain` path's K = 0 regime)."""
+    verify = {(b, q + 1): t / 1e3 for b, row in VERIFY_MS.items() for q, t in enumerate(row)}
+    draft = {(b, d + 1): draft_scale * t / 1e3 for b, row in DRAFT_MS.items() for d, t in enumerate(row)}
+    return StepCost(verify, draft, buckets=BUCKETS, plain_overlaps=True)
 
 
 class FreeProposer:
@@ -47,6 +78,9 @@ class FreeProposer:
     def observe(self, batch, kept, aux) -> None:  # noqa: ANN001
         pass
 
+    def land_ahead(self, request_id: str, start: int, kept: int) -> None:
+        pass
+
     def remove(self, request_id: str) -> None:
         pass
 
@@ -54,47 +88,125 @@ class FreeProposer:
         return 0
 
 
-def microseconds_per_step(adaptive: str, batch: int, steps: int, tokenizer: Tokenizer) -> float:
-    config = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": KMAX, "adaptive": adaptive})
-    spec = SpecDecoder(config, tokenizer, 10**7, FreeProposer())
-    if adaptive == "auto":
-        spec.auto = AutoK(KMAX, config.draft_depths(), hand_cost(COST))
-    requests = []
-    for i in range(batch):
-        req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=10**7, temperature=0.0))
-        req.num_computed_tokens = 2
-        requests.append(req)
-    rng, total = random.Random(0), 0.0
-    for _ in range(steps):
-        start = time.perf_counter()
-        drafts = spec.propose(requests)
+class Run:
+    """One policy's stage on `batch` endless greedy requests."""
+
+    def __init__(self, adaptive: str, batch: int, tokenizer: Tokenizer, accept: float, draft_scale: float) -> None:
+        raw = {"method": "dspark", "num_speculative_tokens": KMAX, "adaptive": adaptive}
+        if adaptive == "phase0":  # every phase at K = 0: the plain path's baseline (no request ever drafts)
+            raw.update(adaptive="phase", phase_k={"reasoning": 0, "content": 0, "tool_call": 0})
+        config = SpecConfig.parse(raw)
+        self.spec = SpecDecoder(config, tokenizer, 10**7, FreeProposer())
+        if adaptive == "auto":
+            self.spec.auto = AutoK(KMAX, config.draft_depths(), step_cost(draft_scale))
+        self.requests = []
+        for i in range(batch):
+            req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=None, temperature=0.0))
+            req.max_tokens = 10**7  # what the engine resolves max_tokens=None to (the context length)
+            req.num_computed_tokens = 2
+            self.requests.append(req)
+        self.rng = random.Random(0)
+        self.accept = accept
+        self.pending: tuple[list[int], list[object | None]] | None = None  # the step ahead in flight
+
+    def accepted(self, k: int) -> int:
+        n = 0
+        while n < k and self.rng.random() < self.accept:
+            n += 1
+        return n
+
+    def seconds(self, ks: Sequence[int]) -> float:
+        """A step's measured time, as the device would give it: the cost model's own table (so the
+        learned residual stays near 0 and the controller's choice follows the table)."""
+        auto = self.spec.auto
+        return auto.cost.modelled(ks) if auto is not None else 1e-3
+
+    def advance(self, kept: dict[str, int]) -> None:
+        for req in self.requests:
+            req.output_token_ids.extend([7] * (1 + kept[req.request_id]))
+            req.num_computed_tokens = req.num_tokens - 1
+
+    def sync_step(self) -> None:
+        spec = self.spec
+        drafts = spec.propose(self.requests)
         sched = SchedulerOutput([ScheduledRequest.of(r, 1, tuple(drafts[r.request_id].tokens)
-                                                     if r.request_id in drafts else ()) for r in requests])
-        accepted = {s.request.request_id: rng.randint(0, len(s.draft)) for s in sched.scheduled}
-        spec.observe(sched, accepted, None)
-        spec.observe_step(sched, 1e-3)
-        total += time.perf_counter() - start
-        for s in sched.scheduled:  # each request moves on by what it kept
-            s.request.output_token_ids.extend([7] * (1 + accepted[s.request.request_id]))
-            s.request.num_computed_tokens = s.request.num_tokens - 1
-    return total / steps * 1e6
+                                                     if r.request_id in drafts else ()) for r in self.requests])
+        kept = {s.request.request_id: self.accepted(len(s.draft)) for s in sched.scheduled}
+        spec.observe(sched, kept, None)
+        spec.observe_step(sched, self.seconds([len(s.draft) for s in sched.scheduled]))
+        self._advance_after = kept
+
+    def ahead_step(self) -> None:
+        spec, reqs = self.spec, self.requests
+        in_flight = self.pending[0] if self.pending is not None else [0] * len(reqs)
+        ks = spec.choose_ahead(reqs, in_flight)
+        held = ks is None
+        ks = ks or [0] * len(reqs)
+        pendings = spec.pending_choices(reqs)
+        if not held:
+            spec.commit_ahead(reqs, ks)
+        kept = {r.request_id: 0 for r in reqs}
+        if self.pending is not None:  # the step before lands
+            prev_ks, prev_pendings = self.pending
+            for req, k, p in zip(reqs, prev_ks, prev_pendings):
+                kept[req.request_id] = n = self.accepted(k)
+                spec.observe_ahead(req, req.num_computed_tokens, k, n, p)
+            sched = SchedulerOutput([ScheduledRequest.of(r, 1 + k, (5,) * k) for r, k in zip(reqs, prev_ks)])
+            spec.observe_step(sched, self.seconds(prev_ks), prev_ks)
+        self.pending = (ks, pendings)
+        self._advance_after = kept
+
+    def plain_step(self) -> None:
+        spec = self.spec
+        if not spec.plan_ahead(self.requests):
+            self.sync_step()  # a probe (or drafting paid): the synchronous verify
+            return
+        sched = SchedulerOutput([ScheduledRequest.of(r, 1, ()) for r in self.requests])
+        for _ in spec.k_counts.items():  # the engine's _count_spec_step reads the K counts
+            pass
+        spec.take_drafter_forwards()
+        spec.observe(sched, {}, None)
+        spec.observe_step(sched, self.seconds([0] * len(self.requests)))
+        self._advance_after = {r.request_id: 0 for r in self.requests}
+
+
+def microseconds_per_step(path: str, adaptive: str, batch: int, steps: int, tokenizer: Tokenizer,
+                          accept: float) -> tuple[float, float]:
+    """(µs per step, mean K chosen) over `steps` steps after as many to warm up."""
+    run = Run(adaptive, batch, tokenizer, accept, draft_scale=8.0 if path == "plain" else 1.0)
+    step = {"sync": run.sync_step, "ahead": run.ahead_step, "plain": run.plain_step}[path]
+    total, ks = 0.0, 0
+    for i in range(2 * steps):
+        start = time.perf_counter()
+        step()
+        if i >= steps:
+            total += time.perf_counter() - start
+            ks += sum(k for _, k in run.spec.chosen_k) if hasattr(run.spec, "chosen_k") else 0
+        run.advance(run._advance_after)
+    return total / steps * 1e6, ks / steps / batch
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--path", default="sync,ahead,plain", help="comma list of sync, ahead, plain")
+    ap.add_argument("--accept", type=float, default=0.8, help="per-position acceptance of a draft token")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; the minimum is reported")
     args = ap.parse_args()
     tokenizer = Tokenizer.from_dir(str(demo_model_dir()))
-    print(f"{'batch':>5} {'off us/step':>12} {'auto us/step':>13} {'auto - off':>11}")
-    for batch in (int(b) for b in args.batches.split(",")):
-        times = {"off": [], "auto": []}
-        for _ in range(args.repeats):
-            for adaptive in times:
-                times[adaptive].append(microseconds_per_step(adaptive, batch, args.steps, tokenizer))
-        off, auto = min(times["off"]), min(times["auto"])
-        print(f"{batch:>5} {off:12.1f} {auto:13.1f} {auto - off:11.1f}")
+    print("off: adaptive off (Kmax every step); on the plain path, phase with every phase_k 0 (nothing drafts)")
+    print(f"{'path':>6} {'batch':>5} {'off us/step':>12} {'auto us/step':>13} {'auto - off':>11} {'auto mean K':>12}")
+    for path in args.path.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            base = "phase0" if path == "plain" else "off"
+            times: dict[str, list[tuple[float, float]]] = {base: [], "auto": []}
+            for _ in range(args.repeats):
+                for adaptive in times:
+                    times[adaptive].append(microseconds_per_step(path, adaptive, batch, args.steps, tokenizer,
+                                                                 args.accept))
+            off, auto = min(times[base]), min(times["auto"])
+            print(f"{path:>6} {batch:>5} {off[0]:12.1f} {auto[0]:13.1f} {auto[0] - off[0]:11.1f} {auto[1]:12.2f}")
 
 
 if __name__ == "__main__":
