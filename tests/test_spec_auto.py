@@ -280,6 +280,36 @@ def test_acceptance_is_conditioned_on_whether_the_last_draft_was_accepted_whole(
     assert sum(deep[True]) / 8 - sum(deep[False]) / 8 > 0.5, deep
 
 
+def test_a_padded_batch_is_searched_once_per_refresh_though_its_requests_contexts_flip(monkeypatch):
+    # Eight requests whose drafts are accepted whole about half the time: one context or
+    # another flips nearly every step. Under a padded cost the batch's depth stands while the
+    # batch and its phases do, so a search runs every REFRESH_STEPS steps, not every step; a
+    # new request or a phase switch searches at once.
+    from tandem.spec import auto as auto_module
+
+    searches = []
+    real = auto_module.choose_ks
+    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
+    cost = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
+                     draft={(b, d): 0.1 for b in (1, 2, 4, 8, 16) for d in range(1, 5)})
+    auto, rng = AutoK(4, (1, 2, 3, 4), cost), random.Random(0)
+    ids = [f"r{i}" for i in range(8)]
+    for _ in range(200):  # past the probes of thin evidence
+        for rid, k in zip(ids, auto.choose(ids, ["reasoning"] * 8, [99] * 8)):
+            auto.observe(rid, k, verify(rng, [0.9] * 4, k) if k else 0)
+    searches.clear()
+    for _ in range(80):
+        ks = auto.choose(ids, ["reasoning"] * 8, [99] * 8)
+        assert set(ks) <= {4}  # the padded optimum (cheap verify tokens, good acceptance), probes aside
+        for rid, k in zip(ids, ks):
+            auto.observe(rid, k, verify(rng, [0.9] * 4, k))
+    assert 80 // auto_module.REFRESH_STEPS <= len(searches) <= 80 // auto_module.REFRESH_STEPS + 2, len(searches)
+    searches.clear()
+    auto.choose(ids, ["reasoning"] * 7 + ["content"], [99] * 8)  # a phase switch
+    auto.choose([*ids, "r8"], ["reasoning"] * 7 + ["content"] * 2, [99] * 9)  # a new request
+    assert len(searches) == 2
+
+
 def test_a_costly_catch_up_spaces_the_probes_out_of_k0():
     # Nothing is ever accepted: K = 0, with probes. A draft model's probe out of K = 0 also pays
     # for catching up on the skipped tokens; once that is learned, probes come far less often.

@@ -6,6 +6,8 @@ One step, as `SpecDecoder` drives it:
 1. `choose(ids, phases, limits)`: each request's K from its acceptance estimate (per position, per
    request, phase and context — whether its last draft was accepted whole — shrunk to the prior
    of that phase and context) and the step cost; the drafter then drafts to the batch's deepest K.
+   A choice is reused for up to `REFRESH_STEPS` steps: per request and context, and under a
+   padded cost (CUDA graphs) for the batch as a whole while its requests and phases stay.
 2. `refine(ids, confidences)`, for a drafter with a confidence head (DSpark): the drafts are cut
    where the drafter's own confidence, calibrated online against what verifies accepted, says the
    remaining tokens do not pay for their verify (the drafter's time is spent by then, so only the
@@ -45,8 +47,21 @@ REFINE_MIN_GAIN = 0.05  # a confidence cut is tried when one verify token less s
 MIN_EVIDENCE = 8.0  # verifies of a phase that tried a position before K may stop short of it
 RUN = "+run"  # the statistics' key suffix of a request whose last draft was accepted whole
 REFRESH_STEPS = 8  # steps a request's choice in a context is reused before the batch is searched again
+MIX_MAX_BATCH = 2  # the largest batch whose padded choice is kept per mix of contexts (see _run_mix)
 CONFIDENCE_BINS = 10
 CONFIDENCE_WEIGHT = 8.0  # pseudo-observations of the raw confidence in each bin's calibration
+
+
+_NOTHING: dict = {}  # a default for lookups of requests not seen yet (never written)
+
+
+def _run_mix(keys: Sequence[str]) -> int:
+    """How many of a batch's requests had their last draft accepted whole, for batches of up to
+    MIX_MAX_BATCH (a single request's depth follows its context); larger batches average their
+    requests' contexts, and their depth follows the phases alone (-1)."""
+    if len(keys) > MIX_MAX_BATCH:
+        return -1
+    return sum(1 for key in keys if key.endswith(RUN))
 
 
 class ConfidenceCalibration:
@@ -130,6 +145,10 @@ class AutoK:
         self._hold_of: tuple[list[str], list[str]] = ([], [])  # (ids, phases)
         self._held: list[tuple[str, str]] = []  # (id, key) of the requests held
         self._held_steps = 0
+        # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step).
+        self._batch: tuple[tuple[str, ...], tuple[str, ...], int, list[int], int] | None = None
+        # The next captured depth above each K (None above the deepest): what a probe tries.
+        self._deeper = {k: next((d for d in self.depths if d > k), None) for k in range(max_k + 1)}
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
         """Each request's K for this step (0 .. its limit, from 0 and the captured depths)."""
@@ -147,39 +166,77 @@ class AutoK:
         # would otherwise search on one context's steps only and keep the other's first choice.
         self._step += 1
         self._apply_held()
-        cached = [self._choice.get(rid, {}).get(key) for rid, key in zip(ids, keys)]
+        cached = [self._choice.get(rid, _NOTHING).get(key) for rid, key in zip(ids, keys)]
         if all(c is not None and c[0] <= limit and self._step - c[2] < REFRESH_STEPS
                for c, limit in zip(cached, limits)):
             ks, rates = [c[0] for c in cached], [c[1] for c in cached]
+        elif (batch := self._batch_choice(ids, phases, keys, limits)) is not None:
+            # A padded step charges the batch's deepest K to every request, so the choice is the
+            # batch's depth: it stands while the batch and its phases do (and for one or two
+            # requests their contexts: `_run_mix`), for REFRESH_STEPS steps, though single
+            # requests' contexts flip (one or another does nearly every step at 4 and more, and a
+            # search every step cost ~0.1 ms of host time at 16 on the H100 box's Xeon). A draft
+            # is predicted with the request's last searched rates in its context (the phase's
+            # while it has none).
+            ks = batch
+            priors: dict[str, list[float]] = {}
+            rates = [c[1] if c is not None else priors.get(key) or priors.setdefault(key, self.stats.phase_rates(key))
+                     for c, key in zip(cached, keys)]
         else:
             priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
             rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]
-            previous = [self._previous.get(rid, {}).get(key, 0) for rid, key in zip(ids, keys)]
+            previous = [self._previous.get(rid, _NOTHING).get(key, 0) for rid, key in zip(ids, keys)]
             ks = choose_ks(rates, self.depths, self.cost, previous, limits)
             for rid, key, k, r in zip(ids, keys, ks, rates):
-                self._choice.setdefault(rid, {})[key] = (k, r, self._step)
+                choices = self._choice.get(rid)
+                if choices is None:
+                    choices = self._choice[rid] = {}
+                choices[key] = (k, r, self._step)
+            if self.cost.uniform_is_optimal:
+                self._batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step)
         # Requests at K = 0 probe independently, each one making its step a drafting step (with
         # async scheduling a step that no longer goes ahead): each spaces its probes by their
         # number, so that together they keep to the budget.
-        idle = max(1, sum(1 for k in ks if k == 0))
+        idle = max(1, ks.count(0))
+        tries: dict[tuple[str, int], float] = {}  # phase_tries, once per key and position
         for i, (rid, k) in enumerate(zip(ids, ks)):
-            prev, counts = self._previous.setdefault(rid, {}), self._same_steps.setdefault(rid, {})
-            same = counts.get(keys[i], 0) + 1 if k == prev.get(keys[i]) else 1
-            deeper = [d for d in self.depths if k < d <= limits[i]]
-            thin = bool(deeper) and self.stats.phase_tries(keys[i], k + 1) < MIN_EVIDENCE
-            spacing = idle if k == 0 else 1
-            if deeper and (thin or (same >= PROBE_EVERY
-                                    and same >= spacing * self._probe_interval(ks, i, deeper[0]))):
-                ks[i], same = deeper[0], 0  # the next captured depth up, once
-            counts[keys[i]] = same
-            prev[keys[i]] = k  # the choice, not the probe: hysteresis compares with it
+            key = keys[i]
+            prev = self._previous.get(rid)
+            if prev is None:  # (get, not setdefault: no dict built per request per step)
+                prev = self._previous[rid] = {}
+                self._same_steps[rid] = {}
+            counts = self._same_steps[rid]
+            same = counts.get(key, 0) + 1 if k == prev.get(key) else 1
+            deeper = self._deeper[k]
+            if deeper is not None and deeper <= limits[i]:
+                evidence = tries.get((key, k))
+                if evidence is None:
+                    evidence = tries[(key, k)] = self.stats.phase_tries(key, k + 1)
+                if evidence < MIN_EVIDENCE or (same >= PROBE_EVERY and same >= (idle if k == 0 else 1)
+                                               * self._probe_interval(ks, i, deeper)):
+                    ks[i], same = deeper, 0  # the next captured depth up, once
+            counts[key] = same
+            prev[key] = k  # the choice, not the probe: hysteresis compares with it
             if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
                 self._in_run[rid] = True
-            self._pending[rid] = _Pending(phases[i], keys[i], rates[i])
+            self._pending[rid] = _Pending(phases[i], key, rates[i])
         self._hold = 0 if any(ks) else self._zero_hold(ids, keys, limits, idle)
         if self._hold:
             self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
         return ks
+
+    def _batch_choice(self, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str],
+                      limits: Sequence[int]) -> list[int] | None:
+        """The last search's ks when it was made for this batch (the same requests in the same
+        phases with the same mix of contexts, under a padded cost) less than REFRESH_STEPS steps
+        ago and every K is still within its request's limit; else None (the caller searches). A
+        copy: probes change it."""
+        batch = self._batch
+        if (batch is None or self._step - batch[4] >= REFRESH_STEPS or batch[0] != tuple(ids)
+                or batch[1] != tuple(phases) or batch[2] != _run_mix(keys)
+                or any(k > limit for k, limit in zip(batch[3], limits))):
+            return None
+        return list(batch[3])
 
     def repeat_zero(self, ids: Sequence[str], phases: Sequence[str]) -> bool:
         """Whether this step's choice is the last one, all zero, repeated: the same requests in

@@ -37,6 +37,7 @@ feeds it, and `SpecDecoder` wires that into the engine.
 from __future__ import annotations
 
 import bisect
+import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,13 +83,16 @@ class _Counts:
             self.scale = 1.0
         w = self.scale
         reached = min(num_accepted + 1, num_draft)  # positions the verify tells something about
-        while len(self.tried) < reached:
-            self.accepted.append(0.0)
-            self.tried.append(0.0)
+        accepted, tried = self.accepted, self.tried
+        if len(tried) < reached:
+            accepted.extend([0.0] * (reached - len(tried)))
+            tried.extend([0.0] * (reached - len(tried)))
+        # Every verify of the controller's hot path lands here (16 a step at concurrency 16):
+        # a loop per position, not a helper per position.
         for i in range(reached):
-            self.tried[i] += w
-            if i < num_accepted:
-                self.accepted[i] += w
+            tried[i] += w
+        for i in range(min(num_accepted, reached)):
+            accepted[i] += w
 
     def tries(self, i: int) -> float:
         return self.tried[i] / self.scale if i < len(self.tried) else 0.0
@@ -99,6 +103,15 @@ class _Counts:
         t = self.tried[i] if i < len(self.tried) else 0.0
         ws = weight * self.scale
         return (a + ws * prior) / (t + ws)
+
+    def rates(self, prior: Sequence[float], weight: float) -> list[float]:
+        """`rate` at every position of `prior` (one list, the controller's per-request cost)."""
+        ws = weight * self.scale
+        n, have = len(prior), len(self.tried)
+        if have >= n:
+            return [(a + ws * p) / (t + ws) for a, t, p in zip(self.accepted, self.tried, prior)]
+        return ([(a + ws * p) / (t + ws) for a, t, p in zip(self.accepted, self.tried, prior)]
+                + [(ws * p) / ws for p in prior[have:]])  # untried positions, as `rate` computes them
 
 
 class AcceptanceStats:
@@ -118,8 +131,19 @@ class AcceptanceStats:
             return
         if not 0 <= num_accepted <= num_draft:
             raise ValueError(f"accepted {num_accepted} of {num_draft} drafts")
-        self._phase.setdefault(phase, _Counts()).add(num_draft, num_accepted, self.phase_decay)
-        self._request.setdefault(request_id, {}).setdefault(phase, _Counts()).add(num_draft, num_accepted, self.decay)
+        # get, not setdefault: a default argument would build two lists per call (every verify
+        # of every request lands here)
+        counts = self._phase.get(phase)
+        if counts is None:
+            counts = self._phase[phase] = _Counts()
+        counts.add(num_draft, num_accepted, self.phase_decay)
+        per_request = self._request.get(request_id)
+        if per_request is None:
+            per_request = self._request[request_id] = {}
+        counts = per_request.get(phase)
+        if counts is None:
+            counts = per_request[phase] = _Counts()
+        counts.add(num_draft, num_accepted, self.decay)
 
     def remove(self, request_id: str) -> None:
         self._request.pop(request_id, None)
@@ -150,7 +174,7 @@ class AcceptanceStats:
         counts = self._request.get(request_id, {}).get(phase)
         if counts is None:
             return prior
-        return [counts.rate(i, prior[i], self.prior_weight) for i in range(self.max_k)]
+        return counts.rates(prior[: self.max_k], self.prior_weight)
 
 
 def expected_accepted(rates: Sequence[float], k: int) -> float:
@@ -222,6 +246,9 @@ class StepCost:
         self._draft_by_depth: dict[int, list[tuple[float, float]]] = {}
         for (b, d), t in sorted(self.draft.items()):
             self._draft_by_depth.setdefault(d, []).append((b, t))
+        # modelled() by (batch, q, the drafter's depth, its requests' bucket): the tables never
+        # change, and the controller asks for the same few shapes every step (padded, no hook).
+        self._memo: dict[tuple[int, int, int, int], float] = {}
         self.residual: dict[tuple[int, bool], float] = {}  # (bucket, drafter ran) -> learned seconds
         self.observed: dict[tuple[int, bool], int] = {}  # steps the residual learned from
         self._bucket_of = [self.buckets[bisect.bisect_left(self.buckets, n)] for n in range(self.buckets[-1] + 1)]
@@ -240,6 +267,17 @@ class StepCost:
     def modelled(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
         """The tables' seconds for a step verifying ks, the drafter having run for `drafted` (its
         requests' depths; default ks), without the learned residual."""
+        if not self.padded or self.extra is not None:
+            return self._modelled(ks, drafted, include_draft)
+        drafted = ks if drafted is None else drafted
+        depth = max(drafted, default=0) if include_draft else 0
+        key = (len(ks), max(ks, default=0), depth, self.bucket(len(drafted) - drafted.count(0)) if depth else 0)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = self._modelled(ks, drafted, include_draft)
+        return t
+
+    def _modelled(self, ks: Sequence[int], drafted: Sequence[int] | None, include_draft: bool) -> float:
         n, q = len(ks), 1 + max(ks, default=0)
         if self.padded:
             points = self._by_q.get(q)
@@ -326,6 +364,12 @@ def goodput(rates: Sequence[Sequence[float]], ks: Sequence[int], cost: StepCost)
     return tokens / cost.seconds(ks)
 
 
+@functools.cache
+def _floors(allowed: tuple[int, ...]) -> tuple[int, ...]:
+    """For k = 0 .. the deepest allowed depth, the largest allowed depth <= k."""
+    return tuple(max(d for d in allowed if d <= k) for k in range(allowed[-1] + 1))
+
+
 def choose_ks(
     rates: Sequence[Sequence[float]],
     depths: Sequence[int],
@@ -355,7 +399,7 @@ def choose_ks(
         return tokens / cost.seconds(ks, drafted, include_draft=not spent)
 
     top = allowed[-1]
-    floor = [max(d for d in allowed if d <= k) for k in range(top + 1)]  # the largest allowed <= k
+    floor = _floors(tuple(allowed))
 
     def fit(k: int, cap: int) -> int:  # the largest allowed depth <= min(k, cap)
         return floor[min(k, cap, top)]
@@ -365,9 +409,15 @@ def choose_ks(
     ks, best = list(start), g(start)
     start_g = best
     uncapped = all(c >= top for c in caps)
+    # Every uniform depth: with no request capped below the deepest depth, the batch's expected
+    # tokens at depth d are one column sum (this runs every step for every batch size).
+    column = [n + sum(col) for col in zip(*expected)] if uncapped and n else None
     for d in allowed:
         uniform = [d] * n if uncapped else [fit(d, c) for c in caps]
-        gu = g(uniform)
+        if column is not None:
+            gu = column[d] / cost.seconds(uniform, drafted, include_draft=not spent)
+        else:
+            gu = g(uniform)
         if gu > best * (1 + 1e-9):
             ks, best = uniform, gu
     improved = not cost.uniform_is_optimal
