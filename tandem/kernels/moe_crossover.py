@@ -6,8 +6,9 @@ its expert's rows itself) or the sort + two `torch._grouped_mm` calls (each expe
 plus a fixed cost of ~8 kernels). Which is faster depends on the layer shape and the GPU: on the
 Qwen3-30B-A3B shape (9.4 MB per expert) a pair more is 9.4 MB more to read, so the GEMMs win early;
 on a small model whose experts sit in L2 the GEMV kernels stay faster far beyond the fixed default
-(`moe_small.SMALL_MAX_PAIRS`), and the switch made verify steps of more than 16 tokens on the demo
-model cost twice a decode step (BENCHMARKS.md, 2026-12-04, session 13).
+(`moe_small.SMALL_MAX_PAIRS`): with it, verify steps of more than 16 tokens on the demo model cost
+about twice a decode step on the H200 (0.32 -> 0.68 ms in session 12's start-up table; the table
+after the crossover is in BENCHMARKS.md, 2026-12-06).
 
 `tune_small_batch` times both paths on the layers of each distinct shape, each call replayed from a
 CUDA graph (as the decode and verify steps run it; the calls go round the layers, so each one's
