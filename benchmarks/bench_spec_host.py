@@ -126,7 +126,7 @@ class Run:
             req.output_token_ids.extend([7] * (1 + kept[req.request_id]))
             req.num_computed_tokens = req.num_tokens - 1
 
-    def sync_step(self) -> None:
+    def sync_step(self) -> dict[str, int]:
         spec = self.spec
         drafts = spec.propose(self.requests)
         sched = SchedulerOutput([ScheduledRequest.of(r, 1, tuple(drafts[r.request_id].tokens)
@@ -134,9 +134,9 @@ class Run:
         kept = {s.request.request_id: self.accepted(len(s.draft)) for s in sched.scheduled}
         spec.observe(sched, kept, None)
         spec.observe_step(sched, self.seconds([len(s.draft) for s in sched.scheduled]))
-        self._advance_after = kept
+        return kept
 
-    def ahead_step(self) -> None:
+    def ahead_step(self) -> dict[str, int]:
         spec, reqs = self.spec, self.requests
         in_flight = self.pending[0] if self.pending is not None else [0] * len(reqs)
         ks = spec.choose_ahead(reqs, in_flight)
@@ -154,20 +154,19 @@ class Run:
             sched = SchedulerOutput([ScheduledRequest.of(r, 1 + k, (5,) * k) for r, k in zip(reqs, prev_ks)])
             spec.observe_step(sched, self.seconds(prev_ks), prev_ks)
         self.pending = (ks, pendings)
-        self._advance_after = kept
+        return kept
 
-    def plain_step(self) -> None:
+    def plain_step(self) -> dict[str, int]:
         spec = self.spec
         if not spec.plan_ahead(self.requests):
-            self.sync_step()  # a probe (or drafting paid): the synchronous verify
-            return
+            return self.sync_step()  # a probe (or drafting paid): the synchronous verify
         sched = SchedulerOutput([ScheduledRequest.of(r, 1, ()) for r in self.requests])
         for _ in spec.k_counts.items():  # the engine's _count_spec_step reads the K counts
             pass
         spec.take_drafter_forwards()
         spec.observe(sched, {}, None)
         spec.observe_step(sched, self.seconds([0] * len(self.requests)))
-        self._advance_after = {r.request_id: 0 for r in self.requests}
+        return {r.request_id: 0 for r in self.requests}
 
 
 def microseconds_per_step(path: str, adaptive: str, batch: int, steps: int, tokenizer: Tokenizer,
@@ -178,11 +177,11 @@ def microseconds_per_step(path: str, adaptive: str, batch: int, steps: int, toke
     total, ks = 0.0, 0
     for i in range(2 * steps):
         start = time.perf_counter()
-        step()
+        kept = step()
         if i >= steps:
             total += time.perf_counter() - start
-            ks += sum(k for _, k in run.spec.chosen_k) if hasattr(run.spec, "chosen_k") else 0
-        run.advance(run._advance_after)
+            ks += sum(k for _, k in run.spec.chosen_k)
+        run.advance(kept)
     return total / steps * 1e6, ks / steps / batch
 
 

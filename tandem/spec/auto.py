@@ -178,10 +178,12 @@ class AutoK:
             # search every step cost ~0.1 ms of host time at 16 on the H100 box's Xeon). A draft
             # is predicted with the request's last searched rates in its context (the phase's
             # while it has none).
-            ks = batch
+            ks, rates = batch, []
             priors: dict[str, list[float]] = {}
-            rates = [c[1] if c is not None else priors.get(key) or priors.setdefault(key, self.stats.phase_rates(key))
-                     for c, key in zip(cached, keys)]
+            for c, key in zip(cached, keys):
+                if c is None and key not in priors:
+                    priors[key] = self.stats.phase_rates(key)
+                rates.append(priors[key] if c is None else c[1])
         else:
             priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
             rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]

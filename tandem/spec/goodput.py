@@ -107,11 +107,9 @@ class _Counts:
     def rates(self, prior: Sequence[float], weight: float) -> list[float]:
         """`rate` at every position of `prior` (one list, the controller's per-request cost)."""
         ws = weight * self.scale
-        n, have = len(prior), len(self.tried)
-        if have >= n:
-            return [(a + ws * p) / (t + ws) for a, t, p in zip(self.accepted, self.tried, prior)]
-        return ([(a + ws * p) / (t + ws) for a, t, p in zip(self.accepted, self.tried, prior)]
-                + [(ws * p) / ws for p in prior[have:]])  # untried positions, as `rate` computes them
+        out = [(a + ws * p) / (t + ws) for a, t, p in zip(self.accepted, self.tried, prior)]
+        out += [(ws * p) / ws for p in prior[len(out):]]  # untried positions, as `rate` computes them
+        return out
 
 
 class AcceptanceStats:
