@@ -10,6 +10,7 @@ bandwidth. Baselines: a per-expert torch bf16 loop (F.linear per expert hit) and
 
     python benchmarks/bench_cpu_moe.py --shape both --fmt bf16,mxfp4,int4 --batches 1,2,4,8 --out results.json
     python benchmarks/bench_cpu_moe.py --quick          # a small shape, seconds
+    python benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4 --act-dtype auto,int8   # int8 activations A/B
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
         for j in range(kept):
             layer.data[j].copy_(seed.data[j % SEEDS])
         layers.append(layer)
+    acts = [a for a in args.acts if a == "auto" or fmt in ce.INT8_ACT_FORMATS]
+    if len(acts) < len(args.acts):
+        print(f"  tandem-{fmt}: no int8 activations for {fmt} weights (only {', '.join(ce.INT8_ACT_FORMATS)})")
     print(f"  tandem-{fmt}: {n_layers} layers x {layer_bytes / GiB:.2f} GiB, {ce.kernel_isa()}, {ce.num_threads()} threads")
     bandwidth = probe(args, f"tandem-{fmt}")
     rows = []
@@ -156,27 +160,29 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
         out = torch.empty_like(x)
         stage_ids, stage_w = torch.empty_like(ids[0]), torch.empty_like(w[0]).bfloat16()
         count = torch.tensor([batch], dtype=torch.int32)
-        jobs = [layer.host_job(x, stage_ids, stage_w, out, count) for layer in layers]
-        # Settings A/B (ISAs x prefetch distances): each call runs under every setting in turn (the
-        # layer after the one timed last, so each still starts cold), so that drift weighs on all
-        # of them alike.
-        settings = [(isa, pf) for isa in args.isas for pf in args.prefetch]
+        jobs = {act: [ce.CpuExpertLayer(layer.data, kept, shape.hidden, shape.inter, fmt, act_dtype=act)
+                      .host_job(x, stage_ids, stage_w, out, count) for layer in layers] for act in acts}
+        # Settings A/B (ISAs x prefetch distances x activation modes): each call runs under every
+        # setting in turn (the layer after the one timed last, so each still starts cold), so that
+        # drift weighs on all of them alike.
+        settings = [(isa, pf, act) for isa in args.isas for pf in args.prefetch for act in acts]
         times: dict[tuple, list[float]] = {st: [] for st in settings}
         at = 0
         for c in range(args.warmup + args.calls):
-            for isa, pf in settings:
+            for isa, pf, act in settings:
                 if isa is not None:
                     ce.set_isa(isa)
                 if pf is not None:
                     ce.set_prefetch(*pf)
                 stage_ids.copy_(ids[c]), stage_w.copy_(w[c])  # untimed, as the D2H copy would be
-                times[(isa, pf)].append(seconds(jobs[at % len(jobs)].run))
+                times[(isa, pf, act)].append(seconds(jobs[act][at % n_layers].run))
                 at += 1
-        for (isa, pf), ts in times.items():
+        for (isa, pf, act), ts in times.items():
             impl = (f"tandem-{fmt}" + ("" if isa is None or len(args.isas) == 1 else f" {isa}")
-                    + ("" if pf is None else f" pf{pf[0]}/{pf[1]}"))
+                    + ("" if pf is None else f" pf{pf[0]}/{pf[1]}") + ("" if act == "auto" else f" {act}-act"))
             median = statistics.median(ts[args.warmup:])
-            rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth))
+            rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth)
+                        | {"act_dtype": act})
     return rows
 
 
@@ -261,10 +267,10 @@ def bench_torch_int4(shape: Shape, kept: int, args: argparse.Namespace) -> list[
 def print_table(rows: list[dict], bandwidth: float) -> None:
     print(f"\nRAM read bandwidth (same pool), at the start: {bandwidth / 1e9:.1f} GB/s; 'of bw' is against the probe "
           "taken just before each implementation's calls (column 'RAM')")
-    print(f"{'shape':<10} {'impl':<26} {'batch':>5} {'us/call':>9} {'experts':>8} {'MB/call':>8} {'GB/s':>7} "
+    print(f"{'shape':<10} {'impl':<36} {'batch':>5} {'us/call':>9} {'experts':>8} {'MB/call':>8} {'GB/s':>7} "
           f"{'RAM':>6} {'of bw':>6}")
     for r in rows:
-        print(f"{r['shape']:<10} {r['impl']:<26} {r['batch']:>5} {r['median_us']:>9.0f} {r['distinct']:>8.1f} "
+        print(f"{r['shape']:<10} {r['impl']:<36} {r['batch']:>5} {r['median_us']:>9.0f} {r['distinct']:>8.1f} "
               f"{r['mb_per_call']:>8.1f} {r['gbps']:>7.1f} {r['ram_gbps']:>6.1f} {r['share'] * 100:>5.0f}%")
 
 
@@ -285,6 +291,9 @@ def main() -> None:
     p.add_argument("--max-gib", type=float, default=None, help="memory for one run's weights (default 70%% of available)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     p.add_argument("--quick", action="store_true", help="a small shape and few calls: seconds")
+    p.add_argument("--act-dtype", default="auto", metavar="auto,int8",
+                   help="the kernel's activation modes (int8: LOSSY, int4 / mxfp4 weights only); a comma list A/Bs "
+                        "them, interleaved per call")
     p.add_argument("--prefetch", default=None, metavar="L1:L2,...",
                    help="A/B the kernels' software-prefetch distances in bytes (0: off), interleaved per call")
     p.add_argument("--out", type=Path, default=None)
@@ -296,6 +305,10 @@ def main() -> None:
     for isa in args.isas:
         if isa is not None and isa not in ce.ISAS:
             p.error(f"unknown ISA {isa!r}; known: {', '.join(ce.ISAS)}")
+    args.acts = args.act_dtype.split(",")
+    for act in args.acts:
+        if act not in ce.ACT_DTYPES:
+            p.error(f"unknown activation mode {act!r}; known: {', '.join(ce.ACT_DTYPES)}")
     fmts = args.fmt.split(",")
     for fmt in fmts:
         if fmt not in ce.WEIGHT_FORMATS:

@@ -291,6 +291,7 @@ class SpecConfig:
 
 
 CPU_MOE_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "mxfp4")
+CPU_MOE_ACT_DTYPES = ("auto", "int8")  # tandem/offload/cpu_experts.py ACT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -313,6 +314,9 @@ class OffloadConfig:
     # as it is); int8 / int4 (and mxfp4 from a bf16 checkpoint) are lossy conversions.
     cpu_moe_dtype: str = "auto"
     cpu_memory: int | None = None  # bytes of RAM to plan for (None: this machine's)
+    # The CPU kernel's activations: auto (fp32 math, or bf16 pairs on avx512bf16) or int8 (per
+    # block of 32, LOSSY, for int4 / mxfp4 experts: fewer lookups and products per weight).
+    cpu_moe_act_dtype: str = "auto"
     # Hot experts (tandem/offload/hot_experts.py): a `tandem profile-experts` calibration file, and
     # the device bytes its most-used experts of the offloaded layers may take there as well.
     hot_experts: str | None = None
@@ -333,6 +337,13 @@ class OffloadConfig:
             raise ValueError(f"--cpu-moe-threads must be at least 1, got {self.cpu_moe_threads}")
         if self.cpu_moe_dtype not in CPU_MOE_DTYPES:
             raise ValueError(f"--cpu-moe-dtype must be one of {', '.join(CPU_MOE_DTYPES)}, got {self.cpu_moe_dtype!r}")
+        if self.cpu_moe_act_dtype not in CPU_MOE_ACT_DTYPES:
+            raise ValueError(f"--cpu-moe-act-dtype must be one of {', '.join(CPU_MOE_ACT_DTYPES)}, "
+                             f"got {self.cpu_moe_act_dtype!r}")
+        # cpu_experts.INT8_ACT_FORMATS; "auto" is checked once the placement resolves it
+        if self.cpu_moe_act_dtype == "int8" and self.cpu_moe_dtype not in ("auto", "int4", "mxfp4"):
+            raise ValueError(f"--cpu-moe-act-dtype int8 covers int4 and mxfp4 experts, not --cpu-moe-dtype "
+                             f"{self.cpu_moe_dtype}: use --cpu-moe-dtype int4 or mxfp4, or --cpu-moe-act-dtype auto")
         layers = self.gpu_resident_moe_layers
         if isinstance(layers, str) and layers != "auto":
             raise ValueError(f"--gpu-resident-moe-layers must be 'auto' or layer indices, got {layers!r}")

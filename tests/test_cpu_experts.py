@@ -4,7 +4,9 @@ this CPU runs (scalar and avx2 always; avx512 / avx512bf16 where present) and ev
 Tolerances, as a share of max|reference| unless said otherwise:
 - fp32 hidden: 1e-5 (fp32 math, only the summation order differs);
 - bf16 hidden, fp32 intermediate: the output's bf16 rounding, 2^-8 of each element, + 1e-5;
-- bf16 hidden on avx512bf16 with bf16 / int4 / mxfp4 weights (bf16 intermediate): 1e-2.
+- bf16 hidden on avx512bf16 with bf16 / int4 / mxfp4 weights (bf16 intermediate): 1e-2;
+- int8 activations against the int8 reference: 1e-5, plus one int8 step of the intermediate
+  wherever it sits at a rounding boundary (test_int8_activations_match_reference says why).
 """
 
 from __future__ import annotations
@@ -326,9 +328,10 @@ def test_host_job_reads_the_count_at_run_time(isa):
     assert torch.equal(out, before)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int4", "mxfp4"])
-def test_thread_count_does_not_change_results(threads, fmt):
-    layer = ce.CpuExpertLayer.from_dense(*_weights(6, 96, 64), fmt)
+@pytest.mark.parametrize("fmt, act_dtype", [("bf16", "auto"), ("int4", "auto"), ("mxfp4", "auto"), ("int4", "int8"),
+                                             ("mxfp4", "int8")])
+def test_thread_count_does_not_change_results(threads, fmt, act_dtype):
+    layer = ce.CpuExpertLayer.from_dense(*_weights(6, 96, 64), fmt, act_dtype=act_dtype)
     x = torch.randn(17, 96).bfloat16()
     ids, w = _routing(17, 4, 6, seed=7)
     results = []
@@ -428,3 +431,139 @@ def test_compile_failure_shows_the_compiler_output(tmp_path):
 def test_measure_read_bandwidth():
     bw = ce.measure_read_bandwidth(8 << 20, repeats=2)
     assert math.isfinite(bw) and bw > 0
+
+
+# ---- int8 activations (act_dtype "int8": int4 / mxfp4 weights) ---------------------------------
+
+# Hidden states with exact rounding ties in block 0: max 127/64 makes d = 1/64 exactly, and
+# (k + 1/2) / 64 divides to k + 1/2 (exact in bf16 too), so q must round half to even as torch does.
+TIES = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -3.5, 4.5, 10.5, -11.5]) / 64
+# The kernel's and torch's fp32 intermediates differ in summation order, ~1e-6 relatively: an
+# element whose |a| / d lies this close to a rounding boundary may round to the other neighbour.
+NEAR_TIE = 5e-4
+
+
+def _with_ties(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    x[0, : len(TIES)] = TIES.to(x.dtype)
+    return x
+
+
+def _int8_flip_slack(x, ids, w, gate, up, down, limit=None) -> torch.Tensor:
+    """[T, H]: what a flip of one int8 step at each near-tie element of the SwiGLU intermediate
+    (|a| / d within NEAR_TIE of k + 1/2) may add to each output: w * |down| @ (d at those elements)."""
+    q, d = ce.quantize_int8_activations(x)
+    xq = (q * d).flatten(-2)[:, : x.shape[1]]
+    slack = torch.zeros(x.shape[0], down.shape[1])
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        g, u = xq[tok] @ gate[e].T, xq[tok] @ up[e].T  # [n, I]
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        a = torch.nn.functional.silu(g) * u
+        _, da = ce.quantize_int8_activations(a)  # [n, nb, 1]
+        blocks = torch.nn.functional.pad(a, (0, -a.shape[1] % 32)).unflatten(-1, (-1, 32))
+        r = (blocks / da).abs()
+        near = ((r - r.floor() - 0.5).abs() < NEAR_TIE).float()
+        step = (near * da).flatten(-2)[:, : a.shape[1]]  # [n, I]
+        slack.index_add_(0, tok, (step @ down[e].abs().T) * w[tok, slot, None].float())
+    return slack
+
+
+INT8_SHAPES = {"mxfp4": [(5, 96, 64), (4, 64, 96)], "int4": [(5, 96, 64), (6, 72, 44)]}
+
+
+@pytest.mark.parametrize("fmt", ce.INT8_ACT_FORMATS)
+def test_int8_activations_match_reference(isa, fmt):
+    """The kernel's int8 mode against reference_moe(act_dtype="int8"): the quantised hidden state
+    is the same on both sides (ties included), so the integer dot products are the reference's
+    up to fp32 summation order: 1e-5 of max|ref| (plus the bf16 output's rounding). The SwiGLU
+    intermediate is quantised from fp32 values that differ by that order, so an element sitting
+    at a rounding boundary may round one step apart: `_int8_flip_slack` allows exactly that."""
+    for e, h, i in INT8_SHAPES[fmt]:
+        layer = ce.CpuExpertLayer.from_dense(*_weights(e, h, i), fmt, act_dtype="int8")
+        assert layer.act_dtype == "int8"
+        dq = layer.dequantized()
+        cases = [(t, k, d) for t in (1, 3, 8, 17, 40) for k in (1, 4) for d in (torch.float32, torch.bfloat16)]
+        for n, (t, k, dtype) in enumerate(cases + [(600, 2, torch.float32)]):  # 600: two passes of 512
+            x = _with_ties(torch.randn(t, h, generator=torch.Generator().manual_seed(n))).to(dtype)
+            ids, w = _routing(t, k, e, seed=n, ids_dtype=torch.int32 if n % 2 else torch.int64)
+            y = layer(x, ids, w)
+            assert y.dtype == dtype and y.shape == (t, h)
+            ref = ce.reference_moe(x, ids, w, *dq, act_dtype="int8")
+            slack = _int8_flip_slack(x.float(), ids, w, *dq)
+            bound = 1e-5 * ref.abs().max() + slack + (2**-8 * (ref.abs() + slack) if dtype == torch.bfloat16 else 0)
+            err = (y.float() - ref).abs()
+            assert (err <= bound).all(), f"{fmt} {(e, h, i)} {(t, k, dtype)}: max error {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("fmt", ce.INT8_ACT_FORMATS)
+def test_int8_activations_are_the_same_bits_on_every_isa(fmt):
+    """Integer sums, then one rounded product and one fma per block on every ISA (scalar, AVX2
+    vpmaddubsw, AVX-512 vpdpbusd): identical outputs, through host_job as well."""
+    layer = ce.CpuExpertLayer.from_dense(*_weights(6, 96, 64), fmt, swiglu_limit=LIMIT, act_dtype="int8")
+    x = _with_ties(torch.randn(19, 96, generator=torch.Generator().manual_seed(21)))
+    ids, w = _routing(19, 4, 6, seed=21)
+    try:
+        results = {}
+        for isa in ce.supported_isas():
+            ce.set_isa(isa)
+            out = torch.empty(19, 96)
+            layer.host_job(x, ids, w, out, torch.tensor([19], dtype=torch.int32)).run()
+            assert torch.equal(out, layer(x, ids, w))
+            results[isa] = out
+    finally:
+        ce.set_isa(None)
+    assert len(results) >= 2  # scalar and avx2 at least (CI)
+    for isa, out in results.items():
+        assert torch.equal(out, results["scalar"]), isa
+    ref = ce.reference_moe(x, ids, w, *layer.dequantized(), swiglu_limit=LIMIT, act_dtype="int8")
+    slack = _int8_flip_slack(x, ids, w, *layer.dequantized(), limit=LIMIT)
+    assert ((results["scalar"] - ref).abs() <= 1e-5 * ref.abs().max() + slack).all()
+
+
+@pytest.mark.parametrize("fmt", ce.INT8_ACT_FORMATS)
+def test_int8_activations_are_close_to_exact(fmt):
+    """The lossy mode stays near the exact one (8-bit activations: ~1% here), yet is not it."""
+    weights = _weights(6, 96, 64)
+    exact = ce.CpuExpertLayer.from_dense(*weights, fmt)
+    int8 = ce.CpuExpertLayer.from_dense(*weights, fmt, act_dtype="int8")
+    x = torch.randn(32, 96, generator=torch.Generator().manual_seed(22))
+    ids, w = _routing(32, 4, 6, seed=22)
+    want, got = exact(x, ids, w), int8(x, ids, w)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 1e-4 < rel < 0.03, rel
+
+
+def test_int8_activations_are_refused_for_other_formats():
+    for fmt in ("fp32", "bf16", "int8"):
+        with pytest.raises(ValueError, match="int8 activations .* cover int4 and mxfp4 expert weights, not " + fmt):
+            ce.CpuExpertLayer.empty(2, 32, 32, fmt, act_dtype="int8")
+    with pytest.raises(ValueError, match="unknown activation mode 'fp8'; known: auto, int8"):
+        ce.CpuExpertLayer.empty(2, 32, 32, "int4", act_dtype="fp8")
+    layer = ce.CpuExpertLayer.from_dense(*_weights(2, 32, 32), "int4")
+    x, ids, w = torch.randn(1, 32), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="unknown activation mode"):
+        ce.reference_moe(x, ids, w, *layer.dequantized(), act_dtype="int4")
+
+
+def test_int8_activations_keep_a_nan_in_its_token():
+    """A NaN in a token's hidden state makes that token's output NaN (as in the exact mode), not
+    a finite value from a garbage scale; the other tokens are untouched."""
+    layer = ce.CpuExpertLayer.from_dense(*_weights(4, 64, 64), "mxfp4", act_dtype="int8")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(23))
+    ids, w = _routing(3, 2, 4, seed=23)
+    want = layer(x, ids, w)
+    x[1, 5] = math.nan
+    y = layer(x, ids, w)
+    assert y[1].isnan().all()
+    assert torch.equal(y[0], want[0]) and torch.equal(y[2], want[2])
+
+
+def test_int8_quantisation_rounds_half_to_even():
+    q, d = ce.quantize_int8_activations(TIES[None])
+    assert d.item() == 1 / 64
+    assert q[0, 0, : len(TIES)].tolist() == [127, 0, 2, 2, -0, -2, -2, 4, -4, 4, 10, -12]
+    assert (q[0, 0, len(TIES):] == 0).all()  # the padding
+    q, d = ce.quantize_int8_activations(torch.zeros(1, 40))
+    assert (d == 0).all() and (q == 0).all()

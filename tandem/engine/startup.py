@@ -89,6 +89,9 @@ def plan_placement(config: EngineConfig, device: torch.device, info: CheckpointI
     if placement.lossy:
         logger.warning("--cpu-moe-dtype %s is a LOSSY conversion of the checkpoint's expert weights",
                        placement.cpu_format)
+    if cfg.offload.cpu_moe_act_dtype == "int8":
+        logger.warning("--cpu-moe-act-dtype int8: the CPU experts quantise their activations to int8 per block of "
+                       "32 inputs, a LOSSY approximation (up to max|block| / 254 per element)")
     rows = max(plan.chunk_tokens, cfg.scheduler.max_num_seqs * (1 + cfg.spec.max_k))
     sink = OffloadedExperts(placement, cfg.offload.cpu_moe_threads, staging_rows=rows, offload=cfg.offload)
     return sink, plan.chunk_tokens

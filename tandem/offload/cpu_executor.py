@@ -170,6 +170,7 @@ class OffloadedExperts:
 
         if self.threads is not None:
             cpu_experts.set_threads(self.threads)
+        act_dtype = self.offload.cpu_moe_act_dtype if self.offload is not None else "auto"
         for i, block in model.moe_blocks().items():
             if i in self.layers_in_ram:
                 hidden, inter = block.experts[0].down_proj.weight.shape
@@ -178,12 +179,13 @@ class OffloadedExperts:
                     self._templates[i] = copy.deepcopy(block.experts[0])  # on meta: shapes only
                 block.detach_experts()
                 self.layers[i] = cpu_experts.CpuExpertLayer.empty(block.num_experts, hidden, inter,
-                                                                  self.placement.cpu_format, swiglu_limit=limit)
+                                                                  self.placement.cpu_format, swiglu_limit=limit,
+                                                                  act_dtype=act_dtype)
                 if torch.cuda.is_available():
                     pin_in_place(self.layers[i].data)
-        logger.info("Routed experts of %d MoE layers go to RAM as %s (%.2f GiB): CPU expert kernel %s, %d threads",
-                    len(self.layers), self.placement.cpu_format, self.placement.cpu_bytes / 2**30,
-                    cpu_experts.kernel_isa(), cpu_experts.num_threads())
+        logger.info("Routed experts of %d MoE layers go to RAM as %s (%.2f GiB): CPU expert kernel %s, %d threads, "
+                    "%s activations", len(self.layers), self.placement.cpu_format, self.placement.cpu_bytes / 2**30,
+                    cpu_experts.kernel_isa(), cpu_experts.num_threads(), act_dtype)
 
     def wants(self, name: str) -> bool:
         m = _EXPERT_NAME.search(name)

@@ -13,6 +13,15 @@ intermediate fp32 — except on ISA "avx512bf16" with a bf16 hidden state and bf
 weights, where vdpbf16ps takes the bf16 activations as they are and the intermediate is rounded to
 bf16 (as the bf16 model on the GPU rounds it); `set_isa("avx512")` keeps that path fp32.
 
+Activations: `act_dtype="auto"` (the default) is the math above. `act_dtype="int8"` (int4 and
+mxfp4 weights only) is a LOSSY mode that trades activation precision for decode speed: the hidden
+state, and the SwiGLU intermediate before the down projection, are quantised per token and block
+of 32 inputs to int8 with one fp32 scale (max|x| / 127, round half to even), and each block's dot
+product is done in integers (vpdpbusd with avx512vnni, vpmaddubsw on AVX2; scalar alike), which
+halves the table lookups and products per weight. The weights are not changed. The error is that
+of 8-bit activations: up to half a step, max|block| / 254, per element (`reference_moe` models it
+exactly). Every ISA gives the same bits in this mode.
+
 A layer built with `swiglu_limit` (DeepSeek-V4) computes ClampedSwiGLU (models/deepseek_v4_moe.py),
 silu(min(gate, limit)) * clamp(up, -limit, limit), on every ISA; without one the plain SwiGLU.
 
@@ -41,12 +50,14 @@ from tandem.offload.cpu_build import CpuKernelBuildError, load_library
 __all__ = [
     "WEIGHT_FORMATS", "LOSSY_FORMATS", "CpuKernelBuildError", "CpuExpertLayer", "HostJob", "kernel_isa",
     "supported_isas", "set_isa", "set_threads", "num_threads", "measure_read_bandwidth", "reference_moe",
-    "quantize_mxfp4",
+    "quantize_mxfp4", "ACT_DTYPES", "INT8_ACT_FORMATS", "quantize_int8_activations",
 ]
 
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "mxfp4")
 LOSSY_FORMATS: frozenset[str] = frozenset({"int8", "int4"})  # conversions that change a bf16 checkpoint's weights
 ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512bf16")  # the kernel's ISA codes, in order
+ACT_DTYPES: tuple[str, ...] = ("auto", "int8")  # activation modes, in the kernel's code order (ActDtype)
+INT8_ACT_FORMATS: tuple[str, ...] = ("int4", "mxfp4")  # the weight formats act_dtype "int8" covers
 
 _FMT_CODE = {name: i for i, name in enumerate(WEIGHT_FORMATS)}
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.int32: 2, torch.int64: 3}
@@ -58,7 +69,7 @@ class _Call(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p), ("expert_bytes", ctypes.c_int64),
         ("num_experts", ctypes.c_int32), ("hidden", ctypes.c_int32), ("inter", ctypes.c_int32), ("fmt", ctypes.c_int32),
-        ("swiglu_limit", ctypes.c_float),
+        ("swiglu_limit", ctypes.c_float), ("act_dtype", ctypes.c_int32),
         ("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("num_tokens", ctypes.c_void_p),
         ("rows", ctypes.c_int32), ("top_k", ctypes.c_int32),
@@ -233,6 +244,16 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _act_dtype(act_dtype: str, fmt: str | None) -> str:
+    """An activation mode, checked against the weight format (None: any)."""
+    if act_dtype not in ACT_DTYPES:
+        raise ValueError(f"unknown activation mode {act_dtype!r}; known: {', '.join(ACT_DTYPES)}")
+    if act_dtype == "int8" and fmt is not None and fmt not in INT8_ACT_FORMATS:
+        raise ValueError(f"int8 activations (--cpu-moe-act-dtype int8) cover {' and '.join(INT8_ACT_FORMATS)} "
+                         f"expert weights, not {fmt}: use --cpu-moe-dtype int4 or mxfp4, or activations 'auto'")
+    return act_dtype
+
+
 def _swiglu_limit(limit: float | None) -> float | None:
     """A SwiGLU clamp limit as layers store it: None (no clamp) for None, 0 or inf, else the float."""
     if limit is None:
@@ -250,19 +271,22 @@ class CpuExpertLayer:
     """One MoE layer's routed experts in RAM in the kernel layout."""
 
     def __init__(self, data: Tensor, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str,
-                 swiglu_limit: float | None = None) -> None:
+                 swiglu_limit: float | None = None, act_dtype: str = "auto") -> None:
         self.data = data  # [E, bytes_per_expert] uint8, the packed experts
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.fmt = fmt
         self.swiglu_limit = _swiglu_limit(swiglu_limit)  # None: plain SwiGLU; every call of the layer uses it
+        self.act_dtype = _act_dtype(act_dtype, fmt)  # one of ACT_DTYPES; every call of the layer uses it
 
     @classmethod
     def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, fmt: str, *,
-              swiglu_limit: float | None = None, pin_memory: bool = False) -> CpuExpertLayer:
+              swiglu_limit: float | None = None, act_dtype: str = "auto", pin_memory: bool = False) -> CpuExpertLayer:
         """Room for the experts, to be filled by `set_expert` (an expert not set holds garbage).
-        `swiglu_limit` > 0 clamps the SwiGLU as ClampedSwiGLU does; None, 0 or inf: no clamp."""
+        `swiglu_limit` > 0 clamps the SwiGLU as ClampedSwiGLU does; None, 0 or inf: no clamp.
+        `act_dtype` "int8" (int4 / mxfp4 only) quantises the activations (module doc; LOSSY)."""
         if fmt not in _FMT_CODE:
             raise ValueError(f"unknown CPU expert format {fmt!r}; known: {', '.join(WEIGHT_FORMATS)}")
+        _act_dtype(act_dtype, fmt)  # before the allocation
         if min(num_experts, hidden_size, intermediate_size) < 1:
             raise ValueError(f"experts, hidden and intermediate sizes must be positive, got "
                              f"{num_experts}, {hidden_size}, {intermediate_size}")
@@ -274,7 +298,7 @@ class CpuExpertLayer:
         data = torch.empty((num_experts, per_expert), dtype=torch.uint8, pin_memory=pin)  # [E, bytes]
         if not pin:
             _lib().tandem_advise_huge_pages(data.data_ptr(), data.numel())  # before the first touch
-        return cls(data, num_experts, hidden_size, intermediate_size, fmt, swiglu_limit)
+        return cls(data, num_experts, hidden_size, intermediate_size, fmt, swiglu_limit, act_dtype)
 
     @classmethod
     def from_dense(cls, gate: Tensor, up: Tensor, down: Tensor, fmt: str, *, swiglu_limit: float | None = None,
@@ -425,7 +449,7 @@ class CpuExpertLayer:
     def _call(self, hidden: Tensor, ids: Tensor, weights: Tensor, out: Tensor, num_tokens: Tensor | None) -> _Call:
         return _Call(
             self.data.data_ptr(), self.bytes_per_expert, self.num_experts, self.hidden_size, self.intermediate_size,
-            _FMT_CODE[self.fmt], self.swiglu_limit or 0.0,  # 0: no clamp
+            _FMT_CODE[self.fmt], self.swiglu_limit or 0.0, ACT_DTYPES.index(self.act_dtype),  # limit 0: no clamp
             hidden.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
             None if num_tokens is None else num_tokens.data_ptr(), hidden.shape[0], ids.shape[1],
             _DTYPE_CODE[hidden.dtype], _DTYPE_CODE[ids.dtype], _DTYPE_CODE[weights.dtype], 0, 0)
@@ -471,13 +495,33 @@ class HostJob:
         _raise_status(self._call, self._call.num_experts)
 
 
+def quantize_int8_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The int8 activation mode's quantisation: x [T, K] -> (q [T, nb, 32] fp32 integers in
+    -127..127, d [T, nb, 1] fp32), nb = ceil(K / 32), the last block zero-padded: per block
+    d = max|x| / 127 and q = x / d rounded half to even (d = 0: q = 0; a NaN or inf: d NaN, q 0)."""
+    blocks = F.pad(x.float(), (0, -x.shape[-1] % 32)).unflatten(-1, (-1, 32))  # [T, nb, 32]
+    amax = blocks.abs().amax(-1, keepdim=True)  # [T, nb, 1]
+    d = torch.where(amax.isfinite(), amax / 127, torch.full_like(amax, math.nan))
+    q = torch.where(d > 0, (blocks / d).round().clamp(-127, 127), torch.zeros_like(blocks))
+    return q, d
+
+
+def _int8_dequantized(x: Tensor) -> Tensor:
+    """x [T, K] as the int8 activation mode sees it: q * d, fp32 [T, K]."""
+    q, d = quantize_int8_activations(x)
+    return (q * d).flatten(-2)[..., : x.shape[-1]]
+
+
 def reference_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate: Tensor, up: Tensor,
-                  down: Tensor, swiglu_limit: float | None = None) -> Tensor:
+                  down: Tensor, swiglu_limit: float | None = None, act_dtype: str = "auto") -> Tensor:
     """Plain torch in fp32 with the weights as given (pass `dequantized()` ones): [T, H] float32,
     sum_j w[t, j] * down_e(silu(gate_e x) * up_e x), e = ids[t, j]; with `swiglu_limit` (as the
-    layer takes it) gate_e x is clamped to <= limit and up_e x to [-limit, limit] first."""
+    layer takes it) gate_e x is clamped to <= limit and up_e x to [-limit, limit] first. With
+    `act_dtype` "int8", x and the intermediate silu(.) * up_e x are first replaced by their int8
+    quantisations q * d (`quantize_int8_activations`), as the kernel's int8 mode computes them."""
     limit = _swiglu_limit(swiglu_limit)
-    x = hidden.float()
+    int8 = _act_dtype(act_dtype, None) == "int8"
+    x = _int8_dequantized(hidden) if int8 else hidden.float()
     w = topk_weights.float()
     out = torch.zeros(x.shape[0], down.shape[1])
     for e in topk_ids.unique().tolist():
@@ -486,6 +530,7 @@ def reference_moe(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate: 
         g, u = h @ gate[e].float().T, h @ up[e].float().T  # [n, I]
         if limit is not None:
             g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-        y = (F.silu(g) * u) @ down[e].float().T  # [n, H]
+        a = F.silu(g) * u  # [n, I]
+        y = (_int8_dequantized(a) if int8 else a) @ down[e].float().T  # [n, H]
         out.index_add_(0, tok, y * w[tok, slot, None])
     return out

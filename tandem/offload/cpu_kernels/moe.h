@@ -24,6 +24,18 @@
 //         lookup (vpermw reads 5 index bits), one vdpbf16ps weight vector each with no widening
 //         (moe_avx512.cpp); the fp32 kernels shift the dwords by 16 w + 4 s instead.
 // The expert's byte size is rounded up to 64 so every expert starts on a cache line.
+//
+// int8 activations (the LOSSY activation mode "int8", int4 / mxfp4 weights only): each token's
+// activations are quantised per block of 32 inputs, d = max|x| / 127, q = x / d rounded to the
+// nearest (ties to even) in -127..127 (d = 0: all q = 0). A block of one token is a QBlock (40
+// bytes, below): words 2o + h (o = octet, h = 0 / 1) hold four int8 q in the byte order of the
+// nibbles (h = 0: low, 1: high) of a row's dword of octet o, byte j = input 8o + q8_input(h, j),
+// i.e. low {8o, 8o+4, 8o+1, 8o+5}, high {8o+2, 8o+6, 8o+3, 8o+7}; then d (fp32) and the
+// correction -bias * sum q (int32). The kernels map the codes to biased unsigned bytes (mxfp4:
+// twice the E2M1 value + 12, so 0..24, against half the E8M0 scale; int4: value + 8), take the
+// byte dot products with q (vpdpbusd / vpmaddubsw: unsigned x signed) from the correction: exact
+// in int32. The block adds float(isum) * (scale[row] * d) to the fp32 output (one rounded
+// product, then one fma: every ISA gives the same bits).
 #pragma once
 
 #include <cstddef>
@@ -62,6 +74,23 @@ constexpr bool nibble_high(int i) { return (i / 2) % 2 == 1; }
 // The bit of a row's dword (the row's 4 bytes of an octet) where input 8o + k starts.
 constexpr int octet_bit(int k) { return 16 * (k % 2) + 4 * (k / 2); }
 
+// int8 activations: the input in byte j of word 2o + h of a QBlock (above).
+constexpr int q8_input(int h, int j) { return 2 * h + j / 2 + 4 * (j % 2); }
+// The word order is the packed layout's nibble order: input q8_input(h, j) of an octet sits in
+// byte j of a row's dword, in its low (h = 0) or high (h = 1) nibble.
+constexpr bool q8_order_matches_octets() {
+    for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; ++j)
+            if (nibble_byte(0, q8_input(h, j)) != j || nibble_high(q8_input(h, j)) != (h == 1)) return false;
+    return true;
+}
+static_assert(q8_order_matches_octets(), "int8 activation words must follow the octets' nibble order");
+// The biased unsigned weight byte of each code, and the bias: mxfp4 bytes are twice the E2M1
+// value (integers), against half the block's scale; int4 bytes are the value + 8.
+alignas(16) constexpr uint8_t kFp4Biased[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+alignas(16) constexpr uint8_t kInt4Biased[16] = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+constexpr int q8_bias(int fmt) { return fmt == FMT_INT4 ? 8 : 12; }
+
 // The geometry of one layer's packed expert.
 struct Geometry {
     int fmt, hidden, inter;
@@ -82,15 +111,24 @@ struct Geometry {
 
 }  // namespace
 
+// int8 activations: one block of 32 inputs of one token (the layout above).
+struct QBlock {
+    uint32_t q[8];  // word 2o + h: four int8 q, byte j = input 8o + q8_input(h, j)
+    float d;        // max|x| / 127
+    int32_t corr;   // -q8_bias(fmt) * (sum of the 32 q)
+};
+static_assert(sizeof(QBlock) == 40, "a QBlock is 10 words");
+
 // A tile kernel: out[t * 16 + r] = sum_k W[r][k] * X[k][t] for t < ntok, r < 16 (row and block
 // scales applied). X is column-major over tokens with leading dimension `ld`: fp32 x[k * ld + t]
 // for the fp32 kernels; for the bf16 kernels uint32 x[i * ld + t] holding the bf16 pair
-// (input 2i low, 2i+1 high).
+// (input 2i low, 2i+1 high); for the int8 kernels QBlock x[b * ld + t] (block b of token t).
 using TileFn = void (*)(const uint8_t* tile, int64_t nb, const void* x, int64_t ld, int ntok, float* out);
 
 struct Kernels {
     TileFn f32[FMT_COUNT];    // activations in fp32 (every format)
     TileFn bf16[FMT_COUNT];   // activations as bf16 pairs (vdpbf16ps); null where not offered
+    TileFn i8[FMT_COUNT];     // int8 activations (int4 / mxfp4 weights); null where not offered
     // Streams [buf, buf + n) (n a multiple of 256, buf 64-aligned) and returns a value that
     // depends on every byte, so the reads cannot be dropped.
     uint64_t (*read)(const uint8_t* buf, int64_t n);
@@ -100,6 +138,8 @@ const Kernels* kernels_scalar();
 const Kernels* kernels_avx2();        // only on CPUs with avx2+fma+f16c
 const Kernels* kernels_avx512();      // only with avx512f/bw/vl/dq
 const Kernels* kernels_avx512bf16();  // only with avx512bf16 as well
+// The AVX-512 tables' i8 kernels use vpdpbusd: call them only where the CPU has avx512vnni too
+// (moe_common.cpp runs the AVX2 ones otherwise).
 
 // Decodes block b of a tile into q[r][i] (the element as stored: value, int8 / int4 / E2M1 code
 // value) and s[r] (the block's scale; 1 for fp32 / bf16, the row scale for int8) so that the

@@ -3,6 +3,9 @@
 // to fp32 in registers: bf16 by a shift / mask of the pair, int8 by vpmovsxbd + vcvtdq2ps, int4
 // by sign-extending the nibble with shifts, mxfp4 by vpermps over the 8 magnitudes plus the
 // sign bit. int4 / mxfp4 scales multiply the block's partial sum, not each weight.
+//
+// int8 activations (int4 / mxfp4 weights; moe.h): vpshufb + vpmaddubsw, integer sums per block.
+// These also serve AVX-512 CPUs without VNNI.
 #include <immintrin.h>
 
 #include "moe.h"
@@ -176,6 +179,59 @@ struct Nibbles {
     };
 };
 
+// ---- int8 activations (moe.h): QBlock x[b * ld + t]. Per 8-row half of an octet,
+// vpshufb maps the low and the high nibbles to biased bytes (each row's dword: 4 inputs), then
+// vpmaddubsw multiplies them by the token's 4 q in the same order (pairs summed in int16) and
+// vpmaddwd by ones widens to int32. The four vpmaddubsw results of two octets are summed in int16
+// first: each is at most 2 * 24 * 127 in magnitude, four stay below 2^15.
+template <class Decode>
+struct NibblesI8 {
+    template <int TB>
+    struct K {
+        static constexpr int fmt = Decode::fmt;
+        static __m256i q8(uint32_t word) { return _mm256_set1_epi32(int(word)); }
+        static void run(const uint8_t* tile, int64_t nb, const QBlock* x, int64_t ld, float* out) {
+            const Decode dec;
+            const __m256i table = _mm256_broadcastsi128_si256(
+                _mm_load_si128(reinterpret_cast<const __m128i*>(fmt == FMT_INT4 ? kInt4Biased : kFp4Biased)));
+            const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+            const __m256 half_scale = _mm256_set1_ps(fmt == FMT_MXFP4 ? 0.5f : 1.0f);  // mxfp4 bytes are 2x
+            __m256 acc[1][2][TB];
+            zero(&acc[0][0][0], 2 * TB);
+            for (int64_t b = 0; b < nb; ++b, tile += block_bytes(fmt), x += ld) {
+                const uint8_t* codes = tile + block_scale_bytes(fmt);
+                for (int half = 0; half < 2; ++half) {
+                    __m256i isum[TB];
+                    for (int t = 0; t < TB; ++t) isum[t] = _mm256_set1_epi32(x[t].corr);
+                    for (int o = 0; o < kBlock / 8; o += 2) {
+                        __m256i w[4];  // octet o low, high nibbles, octet o + 1 low, high
+                        for (int k = 0; k < 2; ++k) {
+                            const __m256i v = octet8(codes + (o + k) * 4 * kRows + 32 * half);
+                            w[2 * k] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+                            w[2 * k + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+                        }
+#pragma GCC unroll 16
+                        for (int t = 0; t < TB; ++t) {
+                            const uint32_t* q = x[t].q + 2 * o;
+                            __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], q8(q[0])),
+                                                         _mm256_maddubs_epi16(w[1], q8(q[1])));
+                            s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(w[2], q8(q[2])),
+                                                                     _mm256_maddubs_epi16(w[3], q8(q[3]))));
+                            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, ones));
+                        }
+                    }
+                    const __m256 ws = _mm256_mul_ps(dec.scale(tile, half), half_scale);  // exact: a power of two
+                    for (int t = 0; t < TB; ++t) {
+                        const __m256 s = _mm256_mul_ps(ws, _mm256_broadcast_ss(&x[t].d));
+                        acc[0][half][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), s, acc[0][half][t]);
+                    }
+                }
+            }
+            store_sum(out, acc);
+        }
+    };
+};
+
 uint64_t read_avx2(const uint8_t* buf, int64_t n) {
     __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int64_t i = 0; i < n; i += 128)
@@ -190,6 +246,7 @@ const Kernels kAvx2 = {
     {drive<F32, 4, float>, drive<Bf16, 3, float>, drive<Int8, 4, float>, drive<Nibbles<Int4Decode>::K, 2, float>,
      drive<Nibbles<Fp4Decode>::K, 2, float>},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, drive<NibblesI8<Int4Decode>::K, 2, QBlock>, drive<NibblesI8<Fp4Decode>::K, 2, QBlock>},
     read_avx2,
 };
 

@@ -15,8 +15,11 @@
 // rounds it too). These functions carry
 // target("avx512bf16") so that nothing else in this file may use the instruction.
 //
-// No AMX and no VNNI: at 1-8 tokens per expert the decode is the cost, not the products (an AMX
-// path for one token, tried, was no faster: BENCHMARKS.md); VNNI would need int8 activations (lossy).
+// int8 activations (the lossy activation mode, int4 / mxfp4 weights; moe.h): vpshufb to biased
+// bytes and vpdpbusd, integer sums per block, on CPUs with avx512vnni (below).
+//
+// No AMX: at 1-8 tokens per expert the decode is the cost, not the products (an AMX path for one
+// token, tried, was no faster: BENCHMARKS.md).
 #include <immintrin.h>
 
 #include "moe.h"
@@ -267,6 +270,65 @@ struct NibblesDot {
     };
 };
 
+// ---- int8 activations (moe.h): QBlock x[b * ld + t]. One 64-byte load of an octet
+// holds each row's 8 codes in its dword; vpshufb (the 16 biased bytes in every 128-bit lane) maps
+// its low and its high nibbles to two weight vectors of 4 inputs per row, and vpdpbusd adds their
+// byte products with the token's 4 q (in the same order) to the row's int32: two lookups and two
+// dot products per octet and token, where the bf16 path needs four of each. The block's int32
+// starts at the token's correction, -bias * sum q. These functions carry target("avx512vnni") so that nothing else in
+// this file may use VNNI.
+
+#define TANDEM_VNNI __attribute__((target("avx512vnni")))
+
+template <int Fmt>
+struct NibblesI8 {
+    template <int TB>
+    struct K {
+        // int32 chains per token: vpdpbusd waits ~5 cycles for its accumulator; a block's chains
+        // are short and the next block's are independent, so out-of-order execution overlaps them.
+        static constexpr int C = TB >= 2 ? 1 : 2;
+        TANDEM_VNNI static void run(const uint8_t* tile, int64_t nb, const QBlock* x, int64_t ld, float* out) {
+            const __m512i table = _mm512_broadcast_i32x4(
+                _mm_load_si128(reinterpret_cast<const __m128i*>(Fmt == FMT_INT4 ? kInt4Biased : kFp4Biased)));
+            const __m512i low = _mm512_set1_epi8(0x0F);
+            const __m512 half_scale = _mm512_set1_ps(Fmt == FMT_MXFP4 ? 0.5f : 1.0f);  // mxfp4 bytes are 2x
+            const Prefetch pf;
+            __m512 acc[TB];
+            zero(acc, TB);
+            for (int64_t b = 0; b < nb; ++b, tile += block_bytes(Fmt), x += ld) {
+                pf.lines<kBlockLines>(tile);
+                const uint8_t* codes = tile + block_scale_bytes(Fmt);
+                __m512i part[C][TB];
+                for (int t = 0; t < TB; ++t) {
+                    part[0][t] = _mm512_set1_epi32(x[t].corr);
+                    for (int c = 1; c < C; ++c) part[c][t] = _mm512_setzero_si512();
+                }
+#pragma GCC unroll 4
+                for (int o = 0; o < kBlock / 8; ++o) {
+                    const __m512i v = _mm512_loadu_si512(codes + o * 4 * kRows);
+                    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+                    const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+#pragma GCC unroll 16
+                    for (int t = 0; t < TB; ++t) {
+                        __m512i& even = part[(2 * o) % C][t];
+                        even = _mm512_dpbusd_epi32(even, lo, _mm512_set1_epi32(int(x[t].q[2 * o])));
+                        __m512i& odd = part[(2 * o + 1) % C][t];
+                        odd = _mm512_dpbusd_epi32(odd, hi, _mm512_set1_epi32(int(x[t].q[2 * o + 1])));
+                    }
+                }
+                const __m512 ws = _mm512_mul_ps(block_scale<Fmt>(tile), half_scale);  // exact: a power of two
+                for (int t = 0; t < TB; ++t) {
+                    __m512i isum = part[0][t];
+                    for (int c = 1; c < C; ++c) isum = _mm512_add_epi32(isum, part[c][t]);
+                    const __m512 s = _mm512_mul_ps(ws, _mm512_set1_ps(x[t].d));
+                    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t]);
+                }
+            }
+            for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
+        }
+    };
+};
+
 uint64_t read_avx512(const uint8_t* buf, int64_t n) {
     __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int64_t i = 0; i < n; i += 256)
@@ -281,11 +343,15 @@ uint64_t read_avx512(const uint8_t* buf, int64_t n) {
     {drive<F32, 12, float>, drive<Bf16, 12, float>, drive<Int8, 12, float>,                   \
      drive<Nibbles<FMT_INT4>::K, 8, float>, drive<Nibbles<FMT_MXFP4>::K, 8, float>}
 
-const Kernels kAvx512 = {TANDEM_F32_TABLE, {nullptr, nullptr, nullptr, nullptr, nullptr}, read_avx512};
+#define TANDEM_I8_TABLE \
+    {nullptr, nullptr, nullptr, drive<NibblesI8<FMT_INT4>::K, 8, QBlock>, drive<NibblesI8<FMT_MXFP4>::K, 8, QBlock>}
+
+const Kernels kAvx512 = {TANDEM_F32_TABLE, {nullptr, nullptr, nullptr, nullptr, nullptr}, TANDEM_I8_TABLE, read_avx512};
 const Kernels kAvx512Bf16 = {
     TANDEM_F32_TABLE,
     {nullptr, drive<Bf16Dot, 12, uint32_t>, nullptr, drive<NibblesDot<FMT_INT4>::K, 8, uint32_t>,
      drive<NibblesDot<FMT_MXFP4>::K, 8, uint32_t>},
+    TANDEM_I8_TABLE,
     read_avx512,
 };
 

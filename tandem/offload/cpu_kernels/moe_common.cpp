@@ -11,6 +11,9 @@
 //            every ISA alike -> intermediate [I][n_e];
 //   phase 2: the output rows split over the threads; each thread runs every active expert's
 //            down tiles of its rows and accumulates weight * result, experts ascending.
+// With int8 activations (moe.h) phase 0 quantises what it gathers, and between phases 1 and 2 the
+// threads quantise the intermediate, split by (expert, block of 32) (a block spans 4 phase-1 tiles,
+// which may have been computed by different threads).
 // Every weight is loaded once per call and applied to all its expert's tokens; each output
 // element is summed by one thread in a fixed order, so results do not depend on the thread count.
 #include <pthread.h>
@@ -23,6 +26,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -243,7 +247,8 @@ struct State {
     Pool pool;
     int isa = ISA_SCALAR;
     const Kernels* kernels = kernels_scalar();
-    Buffer x, act, acc, routing;
+    const TileFn* i8 = kernels_scalar()->i8;  // the int8-activation kernels run under `isa`
+    Buffer x, act, act8, acc, routing;
 };
 
 State& state() {
@@ -276,6 +281,15 @@ bool isa_supported(int isa) {
 #endif
 }
 
+bool vnni_supported() {
+#if defined(__x86_64__) && !defined(TANDEM_SCALAR_ONLY)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+
 const Kernels* kernels_for(int isa) {
 #if defined(__x86_64__) && !defined(TANDEM_SCALAR_ONLY)
     switch (isa) {
@@ -285,6 +299,13 @@ const Kernels* kernels_for(int isa) {
     }
 #endif
     return kernels_scalar();
+}
+
+// The int8-activation kernels of an ISA: the AVX-512 ones use vpdpbusd, so an AVX-512 CPU without
+// VNNI runs the AVX2 ones (vpmaddubsw).
+const TileFn* int8_kernels(int isa) {
+    if ((isa == ISA_AVX512 || isa == ISA_AVX512BF16) && !vnni_supported()) return kernels_for(ISA_AVX2)->i8;
+    return kernels_for(isa)->i8;
 }
 
 // ---- numbers ----------------------------------------------------------------------------------
@@ -309,6 +330,40 @@ inline float swiglu(float g, float u, float limit) {
     return g / (1.0f + std::exp(-g)) * u;
 }
 
+constexpr int64_t kQBlockWords = sizeof(QBlock) / 4;
+
+// Quantises the 32 values of one block for int8 activations (moe.h), for weights whose biased
+// bytes carry `bias`. A NaN or inf in the block makes d NaN and every q 0, so the block's
+// products are NaN, as in the exact math.
+void quantize_block(const float v[kBlock], int bias, QBlock* out) {
+    // (y + 1.5 * 2^23) - 1.5 * 2^23 rounds y to an integer, ties to even, as nearbyintf does under
+    // the default rounding mode (for |y| < 2^22); inline, unlike the libm call.
+    constexpr float kRound = 12582912.0f;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < kBlock; ++i) {
+        const float a = std::fabs(v[i]);
+        amax = a > amax ? a : amax;
+        finite = finite && a <= FLT_MAX;  // false for inf and NaN
+    }
+    const float d = finite ? amax / 127.0f : NAN;
+    int8_t q[kBlock];
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+        const float y = d > 0.0f ? (v[i] / d + kRound) - kRound : 0.0f;
+        q[i] = int8_t(std::min(std::max(y, -127.0f), 127.0f));
+        sum += q[i];
+    }
+    for (int o = 0; o < kBlock / 8; ++o)
+        for (int h = 0; h < 2; ++h) {
+            uint32_t word = 0;
+            for (int j = 0; j < 4; ++j) word |= uint32_t(uint8_t(q[8 * o + q8_input(h, j)])) << (8 * j);
+            out->q[2 * o + h] = word;
+        }
+    out->d = d;
+    out->corr = -bias * sum;
+}
+
 }  // namespace
 }  // namespace tandem
 
@@ -317,6 +372,7 @@ using namespace tandem;
 // ---- the call -----------------------------------------------------------------------------------
 
 enum Dtype : int32_t { DT_F32 = 0, DT_BF16 = 1, DT_I32 = 2, DT_I64 = 3 };
+enum ActDtype : int32_t { ACT_AUTO = 0, ACT_INT8 = 1 };  // ACT_INT8: int4 / mxfp4 weights only
 enum Status : int32_t { ST_OK = 0, ST_BAD_EXPERT = 1, ST_BAD_COUNT = 2, ST_NO_MEMORY = 3, ST_BAD_ARGS = 4 };
 
 // What Python's HostJob / forward_into hand over (ctypes mirrors it field by field).
@@ -325,6 +381,7 @@ struct tandem_call {
     int64_t expert_bytes;
     int32_t num_experts, hidden, inter, fmt;
     float swiglu_limit;   // > 0: the SwiGLU clamp (swiglu()); 0: none
+    int32_t act_dtype;    // ActDtype
     const void* x;        // [rows, H] f32 / bf16
     const void* ids;      // [rows, k] i32 / i64
     const void* weights;  // [rows, k] f32 / bf16
@@ -338,13 +395,18 @@ struct tandem_call {
 namespace tandem {
 namespace {
 
+// How the kernels take their activations: fp32, bf16 pairs (vdpbf16ps) or int8 blocks (moe.h).
+enum Acts : int { ACTS_F32, ACTS_BF16, ACTS_INT8 };
+
 struct Plan {
     const tandem_call* c;
     Geometry g;
     TileFn fn;
-    bool bf16_acts;            // activations as bf16 pairs (vdpbf16ps)
+    Acts acts;
     int64_t t0, T, k;          // this chunk: tokens [t0, t0 + T)
-    int64_t x_rows, a_rows;    // rows of the gathered activations / intermediate (4-byte elements)
+    int64_t x_rows, a_rows;    // 4-byte words per token of the gathered activations / intermediate
+    int64_t q_rows;            // int8: 4-byte words per token of the quantised intermediate
+    int64_t tok_words;         // 4-byte words per token of one row of the kernels' input (QBlock: 10)
     int A;                     // active experts
     const int* expert;         // [A] ids, ascending
     const int* start;          // [A + 1] their first pair
@@ -352,8 +414,9 @@ struct Plan {
     const int* pair_tok;       // [P] token (chunk-relative)
     const float* pair_w;       // [P]
     const int64_t* split;      // [N + 1] phase-1 tile boundaries per thread
-    uint32_t* x;               // [P * x_rows] gathered activations, per expert [x_rows][n]
+    uint32_t* x;               // [P * x_rows] gathered activations, per expert [x_rows][n] (int8: QBlock [nb_h][n])
     uint32_t* act;             // [P * a_rows] intermediate, per expert [a_rows][n]
+    uint32_t* act8;            // int8: [P * q_rows] the quantised intermediate, per expert QBlock [nb_i][n]
     float* acc;                // [T, hp] output accumulator
 };
 
@@ -365,17 +428,23 @@ int64_t id_at(const tandem_call* c, int64_t i) {
     return c->ids_dtype == DT_I32 ? static_cast<const int32_t*>(c->ids)[i] : static_cast<const int64_t*>(c->ids)[i];
 }
 
-// Activation h of pair q (chunk-relative token), as the kernels read it.
+// Element h of pair q's hidden state (chunk-relative token) as fp32; 0 past H.
+inline float hidden_at(const Plan& p, int64_t q, int64_t h) {
+    const int64_t H = p.g.hidden, row = (p.t0 + p.pair_tok[q]) * H;
+    return h >= H ? 0.0f
+           : p.c->x_dtype == DT_F32 ? static_cast<const float*>(p.c->x)[row + h]
+                                    : bf16_to_float(static_cast<const uint16_t*>(p.c->x)[row + h]);
+}
+
+// Activation h of pair q as the fp32 / bf16 kernels read it.
 inline uint32_t activation(const Plan& p, int64_t q, int64_t h) {
     const int64_t H = p.g.hidden, row = (p.t0 + p.pair_tok[q]) * H;
-    if (p.bf16_acts) {  // bf16 pair (2h, 2h+1), straight from the bf16 hidden state
+    if (p.acts == ACTS_BF16) {  // bf16 pair (2h, 2h+1), straight from the bf16 hidden state
         const uint16_t* src = static_cast<const uint16_t*>(p.c->x) + row;
         uint32_t lo = 2 * h < H ? src[2 * h] : 0, hi = 2 * h + 1 < H ? src[2 * h + 1] : 0;
         return lo | hi << 16;
     }
-    float v = h >= H ? 0.0f
-              : p.c->x_dtype == DT_F32 ? static_cast<const float*>(p.c->x)[row + h]
-                                       : bf16_to_float(static_cast<const uint16_t*>(p.c->x)[row + h]);
+    const float v = hidden_at(p, q, h);
     uint32_t u;
     std::memcpy(&u, &v, 4);
     return u;
@@ -389,13 +458,24 @@ void phase0_gather(const Plan& p, int tid, int nthreads) {
         const int a = p.pair_expert[q0];
         const int64_t n = p.start[a + 1] - p.start[a], j0 = q0 - p.start[a];
         const int64_t cols = std::min<int64_t>({16, q1 - q0, n - j0});
-        uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows + j0;
-        for (int64_t h = 0; h < p.x_rows; ++h)
-            for (int64_t j = 0; j < cols; ++j) x[h * n + j] = activation(p, q0 + j, h);
+        if (p.acts == ACTS_INT8) {
+            QBlock* x = reinterpret_cast<QBlock*>(p.x + int64_t(p.start[a]) * p.x_rows) + j0;
+            float v[kBlock];
+            for (int64_t b = 0; b < p.g.nb_h; ++b)
+                for (int64_t j = 0; j < cols; ++j) {
+                    for (int i = 0; i < kBlock; ++i) v[i] = hidden_at(p, q0 + j, b * kBlock + i);
+                    quantize_block(v, q8_bias(p.g.fmt), x + b * n + j);
+                }
+        } else {
+            uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows + j0;
+            for (int64_t h = 0; h < p.x_rows; ++h)
+                for (int64_t j = 0; j < cols; ++j) x[h * n + j] = activation(p, q0 + j, h);
+        }
         // Intermediate rows past the last gate/up tile are never written: zero them (the down
-        // weights there are zero, but 0 * garbage may be NaN). 0u is also 0.0f.
+        // weights there are zero, but 0 * garbage may be NaN, and int8 quantises whole blocks).
+        // 0u is also 0.0f.
         uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows + j0;
-        for (int64_t i = p.g.tiles1 * kRows / 2 / (p.bf16_acts ? 2 : 1); i < p.a_rows; ++i)
+        for (int64_t i = p.g.tiles1 * kRows / 2 / (p.acts == ACTS_BF16 ? 2 : 1); i < p.a_rows; ++i)
             for (int64_t j = 0; j < cols; ++j) act[i * n + j] = 0;
         q0 += cols;
     }
@@ -433,12 +513,12 @@ void phase1_gate_up(const Plan& p, int tid) {
         uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
         for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
             const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
-            p.fn(w, p.g.nb_h, x + c0, n, cnt, out);
+            p.fn(w, p.g.nb_h, x + c0 * p.tok_words, n, cnt, out);
             for (int t = 0; t < cnt; ++t)
                 for (int i = 0; i < kRows / 2; ++i) {
                     float v = swiglu(out[t * kRows + i], out[t * kRows + kRows / 2 + i], limit);
                     int64_t row = jt * kRows / 2 + i;  // intermediate index
-                    if (p.bf16_acts) {  // the bf16 half of pair row / 2
+                    if (p.acts == ACTS_BF16) {  // the bf16 half of pair row / 2
                         const uint16_t h = float_to_bf16(v);
                         std::memcpy(reinterpret_cast<char*>(act + (row / 2) * n + c0 + t) + 2 * (row % 2), &h, 2);
                     } else
@@ -448,19 +528,41 @@ void phase1_gate_up(const Plan& p, int tid) {
     }
 }
 
+// int8 activations: quantises the fp32 intermediate for the down tiles, each thread a share of
+// the (expert, block of 32) units, every token of the unit's expert.
+void quantize_intermediate(const Plan& p, int tid, int nthreads) {
+    const int64_t units = p.A * p.g.nb_i;
+    float v[kBlock];
+    for (int64_t u = units * tid / nthreads; u < units * (tid + 1) / nthreads; ++u) {
+        const int a = int(u / p.g.nb_i);
+        const int64_t b = u % p.g.nb_i, n = p.start[a + 1] - p.start[a];
+        const float* act = reinterpret_cast<const float*>(p.act + int64_t(p.start[a]) * p.a_rows) + b * kBlock * n;
+        QBlock* dst = reinterpret_cast<QBlock*>(p.act8 + int64_t(p.start[a]) * p.q_rows) + b * n;
+        for (int64_t j = 0; j < n; ++j) {
+            for (int i = 0; i < kBlock; ++i) v[i] = act[i * n + j];
+            quantize_block(v, q8_bias(p.g.fmt), dst + j);
+        }
+    }
+}
+
+// What the down tiles of active expert a read: [rows][n] of the intermediate, as the kernels take it.
+const uint32_t* down_input(const Plan& p, int a) {
+    return p.acts == ACTS_INT8 ? p.act8 + int64_t(p.start[a]) * p.q_rows : p.act + int64_t(p.start[a]) * p.a_rows;
+}
+
 void phase2_down(const Plan& p, int tid, int nthreads) {
     float out[kTokensPerCall * kRows];
     const int64_t hp = p.g.hp(), h0 = p.g.tiles2 * tid / nthreads, h1 = p.g.tiles2 * (tid + 1) / nthreads;
     for (int64_t t = 0; t < p.T; ++t) std::memset(p.acc + t * hp + h0 * kRows, 0, (h1 - h0) * kRows * 4);
     for (int a = 0; a < p.A; ++a) {
         const int64_t n = p.start[a + 1] - p.start[a];
-        const uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
+        const uint32_t* act = down_input(p, a);
         const uint8_t* base = down_tile(p, a, 0);
         for (int64_t ht = h0; ht < h1; ++ht) {
             if (ht == h1 - 1 && a + 1 < p.A) prefetch_start(down_tile(p, a + 1, h0));
             for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
                 const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
-                p.fn(base + ht * p.g.tile2, p.g.nb_i, act + c0, n, cnt, out);
+                p.fn(base + ht * p.g.tile2, p.g.nb_i, act + c0 * p.tok_words, n, cnt, out);
                 for (int t = 0; t < cnt; ++t) {
                     const int64_t q = p.start[a] + c0 + t;
                     float* dst = p.acc + p.pair_tok[q] * hp + ht * kRows;
@@ -489,6 +591,10 @@ void moe_job(void* ctx, int tid, int nthreads) {
     phase1_gate_up(p, tid);
     if (const uint8_t* next = first_down_tile(p, tid, nthreads)) prefetch_start(next);
     state().pool.barrier();
+    if (p.acts == ACTS_INT8) {
+        quantize_intermediate(p, tid, nthreads);
+        state().pool.barrier();
+    }
     phase2_down(p, tid, nthreads);
 }
 
@@ -546,7 +652,7 @@ int run_call(tandem_call* c) {
     State& s = state();
     if (c->fmt < 0 || c->fmt >= FMT_COUNT || c->top_k < 1 || c->rows < 0 || c->x_dtype > DT_BF16 ||
         c->w_dtype > DT_BF16 || (c->ids_dtype != DT_I32 && c->ids_dtype != DT_I64) ||
-        !(c->swiglu_limit >= 0.0f))  // NaN or negative
+        (c->act_dtype != ACT_AUTO && c->act_dtype != ACT_INT8) || !(c->swiglu_limit >= 0.0f))  // NaN or negative
         return ST_BAD_ARGS;
     const int64_t T = c->num_tokens ? *c->num_tokens : c->rows;
     if (T < 0 || T > c->rows) return c->bad_value = T, ST_BAD_COUNT;
@@ -554,23 +660,32 @@ int run_call(tandem_call* c) {
         int64_t e = id_at(c, i);
         if (e < -1 || e >= c->num_experts) return c->bad_value = e, ST_BAD_EXPERT;
     }
-    Plan p{c, Geometry(c->fmt, c->hidden, c->inter), nullptr, false, 0, 0, 0, 0, 0, 0,
-           nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    Plan p{c, Geometry(c->fmt, c->hidden, c->inter), nullptr, ACTS_F32, 0, 0, 0, 0, 0, 0, 0, 0,
+           nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
     if (p.g.expert_bytes != c->expert_bytes) return ST_BAD_ARGS;
     const Kernels* k = s.kernels;
-    p.bf16_acts = k->bf16[c->fmt] != nullptr && c->x_dtype == DT_BF16;
-    p.fn = p.bf16_acts ? k->bf16[c->fmt] : k->f32[c->fmt];
+    if (c->act_dtype == ACT_INT8) {
+        if (!s.i8[c->fmt]) return ST_BAD_ARGS;  // a weight format the mode does not cover
+        p.acts = ACTS_INT8, p.fn = s.i8[c->fmt];
+    } else if (k->bf16[c->fmt] && c->x_dtype == DT_BF16) {
+        p.acts = ACTS_BF16, p.fn = k->bf16[c->fmt];
+    } else {
+        p.acts = ACTS_F32, p.fn = k->f32[c->fmt];
+    }
     p.k = c->top_k;
-    p.x_rows = p.bf16_acts ? p.g.hp() / 2 : p.g.hp();
-    p.a_rows = p.bf16_acts ? p.g.ip() / 2 : p.g.ip();
+    p.x_rows = p.acts == ACTS_INT8 ? p.g.nb_h * kQBlockWords : p.acts == ACTS_BF16 ? p.g.hp() / 2 : p.g.hp();
+    p.a_rows = p.acts == ACTS_BF16 ? p.g.ip() / 2 : p.g.ip();
+    p.q_rows = p.acts == ACTS_INT8 ? p.g.nb_i * kQBlockWords : 0;
+    p.tok_words = p.acts == ACTS_INT8 ? kQBlockWords : 1;
     const int nthreads = s.pool.size();
     for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
         p.t0 = t0, p.T = T - t0 < kChunk ? T - t0 : kChunk;
         const int64_t P = p.T * p.k;
         p.x = static_cast<uint32_t*>(s.x.get(P * p.x_rows * 4));
         p.act = static_cast<uint32_t*>(s.act.get(P * p.a_rows * 4));
+        p.act8 = p.acts == ACTS_INT8 ? static_cast<uint32_t*>(s.act8.get(P * p.q_rows * 4)) : nullptr;
         p.acc = static_cast<float*>(s.acc.get(p.T * p.g.hp() * 4));
-        if (!p.x || !p.act || !p.acc || !route(p, nthreads)) return ST_NO_MEMORY;
+        if (!p.x || !p.act || (p.acts == ACTS_INT8 && !p.act8) || !p.acc || !route(p, nthreads)) return ST_NO_MEMORY;
         s.pool.run(moe_job, &p);
     }
     return ST_OK;
@@ -622,7 +737,7 @@ TANDEM_API int tandem_best_isa() {
 TANDEM_API int tandem_set_isa(int isa) {  // 0 ok, -1 unsupported
     if (isa < 0 || isa >= ISA_COUNT || !isa_supported(isa)) return -1;
     std::lock_guard<std::mutex> lock(state().mutex);
-    state().isa = isa, state().kernels = kernels_for(isa);
+    state().isa = isa, state().kernels = kernels_for(isa), state().i8 = int8_kernels(isa);
     return 0;
 }
 

@@ -1,6 +1,7 @@
 // Portable code (no SIMD flags): the packed layout's writer (pack_tiles) and reader (decode_block,
 // unpack_expert: what `dequantized()` returns, so the tests see exactly the weights the kernels
-// use), and the scalar tile kernels, the fallback for CPUs without AVX2.
+// use), and the scalar tile kernels, the fallback for CPUs without AVX2 (their int8-activation
+// ones are also the plain statement of the integer math the SIMD ones must match bit for bit).
 #include <cmath>
 #include <cstring>
 
@@ -214,6 +215,38 @@ static void tile_scalar(const uint8_t* tile, int64_t nb, const void* xv, int64_t
     }
 }
 
+// int8 activations (moe.h): the integer the SIMD kernels reach through biased bytes, taken here as
+// the signed weight times q (mxfp4: twice the E2M1 value against half the scale), then the same
+// float steps: out += float(isum) * (scale * d), one fma.
+template <int Fmt>
+static void tile_scalar_i8(const uint8_t* tile, int64_t nb, const void* xv, int64_t ld, int ntok, float* out) {
+    const QBlock* x = static_cast<const QBlock*>(xv);
+    constexpr int mult = Fmt == FMT_MXFP4 ? 2 : 1;
+    float q[kRows][kBlock], s[kRows];
+    int32_t w[kRows][kBlock];
+    for (int t = 0; t < ntok; ++t)
+        for (int r = 0; r < kRows; ++r) out[t * kRows + r] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        decode_block(Fmt, tile, b, q, s);
+        for (int r = 0; r < kRows; ++r) {
+            s[r] /= mult;  // exact: a power of two
+            for (int i = 0; i < kBlock; ++i) w[r][i] = int32_t(q[r][i] * mult);
+        }
+        for (int t = 0; t < ntok; ++t) {
+            const QBlock& xb = x[b * ld + t];
+            int32_t a[kBlock];
+            for (int o = 0; o < kBlock / 8; ++o)
+                for (int h = 0; h < 2; ++h)
+                    for (int j = 0; j < 4; ++j) a[8 * o + q8_input(h, j)] = int8_t(xb.q[2 * o + h] >> (8 * j));
+            for (int r = 0; r < kRows; ++r) {
+                int32_t isum = 0;
+                for (int i = 0; i < kBlock; ++i) isum += w[r][i] * a[i];
+                out[t * kRows + r] = std::fma(float(isum), s[r] * xb.d, out[t * kRows + r]);
+            }
+        }
+    }
+}
+
 static uint64_t read_scalar(const uint8_t* buf, int64_t n) {
     uint64_t acc[4] = {0, 0, 0, 0};
     for (int64_t i = 0; i < n; i += 32) {
@@ -228,6 +261,7 @@ static const Kernels kScalar = {
     {tile_scalar<FMT_F32>, tile_scalar<FMT_BF16>, tile_scalar<FMT_INT8>, tile_scalar<FMT_INT4>,
      tile_scalar<FMT_MXFP4>},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, tile_scalar_i8<FMT_INT4>, tile_scalar_i8<FMT_MXFP4>},
     read_scalar,
 };
 
