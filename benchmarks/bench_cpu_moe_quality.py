@@ -1,6 +1,7 @@
-"""What the lossy `--cpu-moe-dtype` conversions cost in quality, on the trained demo model: task
-accuracy on held-out examples of each family (the demo's own checkers) and agreement of the
-greedy tokens with the lossless run, with every routed expert on the CPU kernel in each format.
+"""What the lossy `--cpu-moe-dtype` conversions and `--cpu-moe-act-dtype int8` cost in quality, on
+the trained demo model: task accuracy on held-out examples of each family (the demo's own
+checkers) and agreement of the greedy tokens with the lossless run, with every routed expert on
+the CPU kernel in each format. A format FMT/int8 runs FMT weights with int8 activations.
 
     python benchmarks/bench_cpu_moe_quality.py --n 40 --out cpu_moe_quality.json
 
@@ -33,7 +34,8 @@ def agreement(a: list[int], b: list[int]) -> tuple[bool, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="fp32,bf16,int8,mxfp4,int4")
+    ap.add_argument("--formats", default="fp32,bf16,int8,mxfp4,int4,mxfp4/int8,int4/int8",
+                    help="comma list of weight formats, FMT/int8 for int8 activations with them")
     ap.add_argument("--n", type=int, default=40, help="held-out examples per family")
     ap.add_argument("--families", default=",".join(f for f in FAMILIES if f != "lookup"))
     ap.add_argument("--max-tokens", type=int, default=384)
@@ -45,8 +47,9 @@ def main() -> None:
     rows, reference = [], None
     for fmt in args.formats.split(","):
         start = time.perf_counter()
+        weights, _, acts = fmt.partition("/")
         llm = LLM(str(DEMO_DIR), device="cpu", dtype="float32", kv_cache_memory="512MiB", max_model_len=4096,
-                  max_num_seqs=64, cpu_moe=True, cpu_moe_dtype=fmt)
+                  max_num_seqs=64, cpu_moe=True, cpu_moe_dtype=weights, cpu_moe_act_dtype=acts or "auto")
         res = generate_and_check(llm, tok, examples, max_tokens=args.max_tokens)
         del llm
         outs = [r["output_ids"] for r in res]
@@ -58,7 +61,7 @@ def main() -> None:
                "mean_tokens_before_divergence": sum(n for _, n in same) / len(same),
                "mean_output_tokens": sum(map(len, outs)) / len(outs), "seconds": time.perf_counter() - start}
         rows.append(row)
-        print(f"{fmt:6} accuracy {row['accuracy']:.3f}  identical to {args.formats.split(',')[0]}: "
+        print(f"{fmt:10} accuracy {row['accuracy']:.3f}  identical to {args.formats.split(',')[0]}: "
               f"{row['identical_outputs']:.0%}  tokens before divergence {row['mean_tokens_before_divergence']:.0f} "
               f"of {row['mean_output_tokens']:.0f}  {row['by_family']}", flush=True)
     if args.out:
