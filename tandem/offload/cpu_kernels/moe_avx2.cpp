@@ -183,7 +183,8 @@ struct Nibbles {
 // vpshufb maps the low and the high nibbles to biased bytes (each row's dword: 4 inputs), then
 // vpmaddubsw multiplies them by the token's 4 q in the same order (pairs summed in int16) and
 // vpmaddwd by ones widens to int32. The four vpmaddubsw results of two octets are summed in int16
-// first: each is at most 2 * 24 * 127 in magnitude, four stay below 2^15.
+// first: each is at most 2 * 24 * 127 in magnitude, four stay below 2^15. Blocks of 4 tokens
+// (16% faster than 2 at 4-8 tokens on a Zen 4, the same at 1-2).
 template <class Decode>
 struct NibblesI8 {
     template <int TB>
@@ -246,7 +247,7 @@ const Kernels kAvx2 = {
     {drive<F32, 4, float>, drive<Bf16, 3, float>, drive<Int8, 4, float>, drive<Nibbles<Int4Decode>::K, 2, float>,
      drive<Nibbles<Fp4Decode>::K, 2, float>},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
-    {nullptr, nullptr, nullptr, drive<NibblesI8<Int4Decode>::K, 2, QBlock>, drive<NibblesI8<Fp4Decode>::K, 2, QBlock>},
+    {nullptr, nullptr, nullptr, drive<NibblesI8<Int4Decode>::K, 4, QBlock>, drive<NibblesI8<Fp4Decode>::K, 4, QBlock>},
     read_avx2,
 };
 

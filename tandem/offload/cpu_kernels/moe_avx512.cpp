@@ -338,13 +338,14 @@ uint64_t read_avx512(const uint8_t* buf, int64_t n) {
 }
 
 // Token blocks: 12 accumulators for the one-vector formats, 8 (plus 8 partial sums) for the
-// block-scaled ones.
+// block-scaled ones, 12 (plus 12 int32 sums) for int8 activations (10% faster than 8 at 12
+// tokens on a Zen 4).
 #define TANDEM_F32_TABLE                                                                      \
     {drive<F32, 12, float>, drive<Bf16, 12, float>, drive<Int8, 12, float>,                   \
      drive<Nibbles<FMT_INT4>::K, 8, float>, drive<Nibbles<FMT_MXFP4>::K, 8, float>}
 
 #define TANDEM_I8_TABLE \
-    {nullptr, nullptr, nullptr, drive<NibblesI8<FMT_INT4>::K, 8, QBlock>, drive<NibblesI8<FMT_MXFP4>::K, 8, QBlock>}
+    {nullptr, nullptr, nullptr, drive<NibblesI8<FMT_INT4>::K, 12, QBlock>, drive<NibblesI8<FMT_MXFP4>::K, 12, QBlock>}
 
 const Kernels kAvx512 = {TANDEM_F32_TABLE, {nullptr, nullptr, nullptr, nullptr, nullptr}, TANDEM_I8_TABLE, read_avx512};
 const Kernels kAvx512Bf16 = {
