@@ -51,10 +51,11 @@ DISTINCT_SETS = 8  # random experts generated per layer shape, cycled over the e
 
 
 def build_offloaded_model(cfg: dict, path: Path, placement, device: str, dtype: torch.dtype, threads: int | None,
-                          staging_rows: int):
-    """The model on `device` with random weights; the placement's experts in RAM, random too."""
+                          staging_rows: int, offload: OffloadConfig | None = None):
+    """The model on `device` with random weights; the placement's experts in RAM, random too
+    (`offload`: the --cpu-moe-* options the experts are built with, e.g. the activation mode)."""
     model = build_meta_model(get_model_class(cfg["model_type"]), cfg, dtype, path / "config.json")
-    sink = OffloadedExperts(placement, threads, staging_rows=staging_rows)
+    sink = OffloadedExperts(placement, threads, staging_rows=staging_rows, offload=offload)
     sink.prepare(model)
     model = materialize_random(model, device)
     h, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--gpu-budget", default="8GiB", help="GPU memory the placement plans for")
     ap.add_argument("--fmt", default="auto", help="--cpu-moe-dtype")
+    ap.add_argument("--act-dtype", default="auto", help="--cpu-moe-act-dtype (int8: LOSSY int8 activations)")
     ap.add_argument("--threads", type=int, default=None, help="--cpu-moe-threads")
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--prompt", type=int, default=64)
@@ -168,7 +170,8 @@ def main() -> None:
         results["machine"] = {"ram_read": ram}
     max_len = args.prompt + args.new_tokens + 64
     with model_dir(cfg) as path:
-        offload = OffloadConfig(cpu_moe=device == "cpu" or args.cpu_moe, cpu_moe_dtype=args.fmt, cpu_moe_threads=args.threads)
+        offload = OffloadConfig(cpu_moe=device == "cpu" or args.cpu_moe, cpu_moe_dtype=args.fmt, cpu_moe_threads=args.threads,
+                                cpu_moe_act_dtype=args.act_dtype)
         plan = plan_memory(path, dtype, device, max_model_len=max_len, max_num_seqs=max(batches),
                            device_bytes=parse_size(args.gpu_budget) if device == "cuda" else None, offload=offload)
         print(plan.render(), flush=True)
@@ -177,9 +180,9 @@ def main() -> None:
             raise SystemExit(f"nothing to measure: {placement.reason} {plan.offload_problems}")
         kv_bytes = max(plan.kv_budget, 64 << 20)
         model, sink = build_offloaded_model(cfg, path, placement, device, dtype, args.threads,
-                                            staging_rows=max(512, max(batches)))
+                                            staging_rows=max(512, max(batches)), offload=offload)
         per_expert = expert_bytes(placement.cpu_format, cfg["hidden_size"], cfg["moe_intermediate_size"])
-        results.update(fmt=placement.cpu_format, cpu_layers=list(placement.cpu_layers), kernel_isa=cpu_experts.kernel_isa(),
+        results.update(fmt=placement.cpu_format, act_dtype=args.act_dtype, cpu_layers=list(placement.cpu_layers), kernel_isa=cpu_experts.kernel_isa(),
                        threads=cpu_experts.num_threads(), bytes_per_expert=per_expert, placement=placement.reason)
         engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
         rows = []
