@@ -310,6 +310,35 @@ def test_a_padded_batch_is_searched_once_per_refresh_though_its_requests_context
     assert len(searches) == 2
 
 
+def test_requests_that_reuse_ids_of_a_finished_batch_are_searched_afresh(monkeypatch):
+    # A client may reuse request ids (bench_auto's rounds do). Once the requests of a padded
+    # batch's cached choice are removed, new requests with the same ids and phases are neither
+    # held to it nor given it: they are searched (live on the H200, the old choice given to them
+    # raised KeyError: 'reasoning+run' when it was held).
+    from tandem.spec import auto as auto_module
+
+    cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0, 4: 30.0, 5: 40.0} for b in (1, 2, 4, 8, 16)})
+    auto = AutoK(4, (1, 2, 3, 4), cost)
+    ids, phases = [f"r{i}" for i in range(8)], ["reasoning"] * 8
+    held = 0
+    for _ in range(300):  # drafting never pays, every probe is rejected
+        if auto.repeat_zero(ids, phases):
+            held += 1
+            continue
+        for rid, k in zip(ids, auto.choose(ids, phases, [99] * 8)):
+            if k:
+                auto.observe(rid, k, 0)
+    assert held > 150  # most steps repeat the held all-zero choice without a search
+    for rid in ids:
+        auto.remove(rid)
+    assert not auto.repeat_zero(ids, phases)
+    searched = []
+    real = auto_module.choose_ks
+    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searched.append(1) or real(*a, **k))
+    assert auto.choose(ids, phases, [99] * 8) == [0] * 8
+    assert searched
+
+
 def test_a_costly_catch_up_spaces_the_probes_out_of_k0():
     # Nothing is ever accepted: K = 0, with probes. A draft model's probe out of K = 0 also pays
     # for catching up on the skipped tokens; once that is learned, probes come far less often.

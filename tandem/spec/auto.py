@@ -170,6 +170,7 @@ class AutoK:
         if all(c is not None and c[0] <= limit and self._step - c[2] < REFRESH_STEPS
                for c, limit in zip(cached, limits)):
             ks, rates = [c[0] for c in cached], [c[1] for c in cached]
+            searched = [c[2] for c in cached]
         elif (batch := self._batch_choice(ids, phases, keys, limits)) is not None:
             # A padded step charges the batch's deepest K to every request, so the choice is the
             # batch's depth: it stands while the batch and its phases do (and for one or two
@@ -179,6 +180,7 @@ class AutoK:
             # is predicted with the request's last searched rates in its context (the phase's
             # while it has none).
             ks, rates = batch, []
+            searched = [self._batch[4]] * len(ids)  # a request's context may not have been searched
             priors: dict[str, list[float]] = {}
             for c, key in zip(cached, keys):
                 if c is None and key not in priors:
@@ -196,6 +198,7 @@ class AutoK:
                 choices[key] = (k, r, self._step)
             if self.cost.uniform_is_optimal:
                 self._batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step)
+            searched = [self._step] * len(ids)
         # Requests at K = 0 probe independently, each one making its step a drafting step (with
         # async scheduling a step that no longer goes ahead): each spaces its probes by their
         # number, so that together they keep to the budget.
@@ -222,7 +225,7 @@ class AutoK:
             if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
                 self._in_run[rid] = True
             self._pending[rid] = _Pending(phases[i], key, rates[i])
-        self._hold = 0 if any(ks) else self._zero_hold(ids, keys, limits, idle)
+        self._hold = 0 if any(ks) else self._zero_hold(ids, keys, limits, idle, searched)
         if self._hold:
             self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
         return ks
@@ -261,16 +264,18 @@ class AutoK:
             self._held_steps = 0
         self._hold = 0
 
-    def _zero_hold(self, ids: Sequence[str], keys: Sequence[str], limits: Sequence[int], idle: int) -> int:
-        """Steps an all-zero choice just made would repeat unchanged: before any request's cached
-        choice expires or its next probe falls due (0 while a phase lacks evidence: it probes;
-        0 for a request choosing after a rejection: at K = 0 its context changes next step)."""
+    def _zero_hold(self, ids: Sequence[str], keys: Sequence[str], limits: Sequence[int], idle: int,
+                   searched: Sequence[int]) -> int:
+        """Steps an all-zero choice just made would repeat unchanged: before the search it came
+        from (searched[i]: the step of request i's, its own or the batch's) expires or a request's
+        next probe falls due (0 while a phase lacks evidence: it probes; 0 for a request choosing
+        after a rejection: at K = 0 its context changes next step)."""
         hold = REFRESH_STEPS
         intervals: dict[int, float] = {}
-        for rid, key, limit in zip(ids, keys, limits):
+        for rid, key, limit, at in zip(ids, keys, limits, searched):
             if not key.endswith(RUN):
                 return 0
-            hold = min(hold, REFRESH_STEPS - 1 - (self._step - self._choice[rid][key][2]))
+            hold = min(hold, REFRESH_STEPS - 1 - (self._step - at))
             deeper = next((d for d in self.depths if 0 < d <= limit), None)
             if deeper is None:
                 continue
@@ -375,6 +380,10 @@ class AutoK:
         self.catch_up = (1 - CATCH_UP_SMOOTHING) * self.catch_up + CATCH_UP_SMOOTHING * extra
 
     def remove(self, request_id: str) -> None:
+        if self._batch is not None and request_id in self._batch[0]:
+            self._batch = None  # a later request may reuse the id: the choice was not searched for it
+        if self._hold and request_id in self._hold_of[0]:
+            self._apply_held()
         self.stats.remove(request_id)
         self._choice.pop(request_id, None)
         self._previous.pop(request_id, None)
