@@ -354,7 +354,7 @@ def test_prefetch_switches_do_not_change_results(fmt):
             lib.tandem_set_prefetch(l1, l2)
             assert torch.equal(layer(x, ids, w), want), (l1, l2)
     finally:
-        lib.tandem_set_prefetch(1024, 0)  # the kernel's defaults (moe.h Tuning)
+        lib.tandem_set_prefetch(4096, 0)  # the kernel's defaults (moe.h Tuning)
 
 
 def test_prefetch_env_values(monkeypatch):

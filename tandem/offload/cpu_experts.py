@@ -29,7 +29,7 @@ The kernel library is compiled on first use (tandem/offload/cpu_build.py). Debug
 read once when it loads (results do not depend on the prefetch ones):
   TANDEM_CPU_ISA          scalar | avx2 | avx512 | avx512bf16: force an ISA;
   TANDEM_CPU_PREFETCH_L1  bytes ahead of the weight stream the AVX-512 kernels prefetch into L1
-                          (default 1024; 0 off);
+                          (default 4096; 0 off);
   TANDEM_CPU_PREFETCH_L2  bytes ahead they prefetch into L2 only (default 0: off).
 """
 
@@ -158,7 +158,8 @@ def set_threads(n: int) -> None:
 
 def set_prefetch(l1: int, l2: int) -> None:
     """The AVX-512 kernels' software-prefetch distances, in bytes ahead of the weight stream
-    (0: off; -1: the default). A tuning switch (TANDEM_CPU_PREFETCH_L1 / _L2 set it at load)."""
+    (0: off; -1: leave that one as it is). A tuning switch (TANDEM_CPU_PREFETCH_L1 / _L2 set it at
+    load; the defaults are moe.h's Tuning)."""
     _lib().tandem_set_prefetch(l1, l2)
 
 
