@@ -112,8 +112,10 @@ def measure_tables(args: argparse.Namespace, kmax: int, max_seqs: int) -> tuple[
     return verify, draft
 
 
-def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dict, draft: dict) -> dict:
-    """Run every trace through at `conc` in flight; tokens / simulated seconds."""
+def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dict, draft: dict,
+             phase_k: dict[str, int] = PHASE_K) -> dict:
+    """Run every trace through at `conc` in flight; tokens / simulated seconds (`phase_k`: the
+    `phase` policy's depth per phase)."""
     cost = StepCost(dict(verify), dict(draft), buckets=tuple(sorted({b for b, _ in verify})))
     auto = AutoK(kmax, tuple(range(1, kmax + 1)), StepCost(dict(verify), dict(draft), buckets=cost.buckets))
     queue = list(range(len(traces)))
@@ -128,7 +130,7 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
         if policy == "none":
             ks = [0] * len(ids)
         elif policy == "phase":
-            ks = [min(PHASE_K[r["phase"]], kmax, max(rm, 0)) for r, rm in zip(rows, room)]
+            ks = [min(phase_k[r["phase"]], kmax, max(rm, 0)) for r, rm in zip(rows, room)]
         elif policy == "oracle":  # the ceiling: each step's accepted drafts known in advance
             runs = [traces[i].run_at(live[i], kmax) for i in ids]
             caps = [max(rm, 0) for rm in room]
@@ -182,8 +184,11 @@ def main() -> None:
                          "instead of measuring the large target")
     ap.add_argument("--tables", default=None, metavar="REPLAY_JSON",
                     help="use the step tables of a previous run's --out file instead of measuring")
+    ap.add_argument("--phase-k", default=None, metavar="JSON",
+                    help='`phase` with these phase_k instead of the seed\'s, e.g. \'{"reasoning": 7, "content": 5, "tool_call": 7}\'')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    phase_k = {**PHASE_K, **json.loads(args.phase_k)} if args.phase_k else PHASE_K
     data = json.loads(Path(args.traces).read_text())
     kmax = int(data["kmax"])
     by_request: dict[str, list[dict]] = {}
@@ -212,11 +217,12 @@ def main() -> None:
               + "   drafter d=1..: " + " ".join(f"{draft[(b, d)] * 1e3:6.3f}" for d in range(1, kmax + 1)))
     policies = ["none", *[str(k) for k in range(1, kmax + 1)], "phase", "auto-noconf", "auto", "oracle"]
     report = {"replayed": True, "shape": args.shape, "layers": args.layers, "kmax": kmax, "requests": len(traces),
+              "phase_k": phase_k,
               "verify_ms": {f"{b},{q}": t * 1e3 for (b, q), t in verify.items()},
               "draft_ms": {f"{b},{d}": t * 1e3 for (b, d), t in draft.items()}, "results": {}}
     print(f"\nreplayed tok/s (simulated GPU time), {len(traces)} requests; ratio to no speculation")
     for c in levels:
-        res = {p: simulate(traces, c, p, kmax, verify, draft) for p in policies}
+        res = {p: simulate(traces, c, p, kmax, verify, draft, phase_k) for p in policies}
         base = res["none"]["tok_s"]
         best_fixed = max((str(k) for k in range(1, kmax + 1)), key=lambda k: res[k]["tok_s"])
         report["results"][c] = res
