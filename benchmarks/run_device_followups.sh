@@ -20,12 +20,26 @@
 # Session 8's `tests` ran in session 9: 39 of 40 GPU tests passed, and the online hot-experts test
 # that failed is fixed since. `final` and `benches` are session 8's calls (the MXFP4 streaming and
 # hot-experts benchmarks), kept to re-run.
+# After session 14 (its device time went to starts that found no machine), two calls wait:
+# `auto` (~5 minutes; carry the llguidance wheel): the K policies live after 701ee06 / b70490d,
+# DSpark at Kmax 7 and the draft model under auto, at 1-16 requests; `cpukernel` (~2 minutes): the
+# CPU kernel's prefetch distances on the box's Xeon, MXFP4 with exact and int8 activations and bf16
+# weights, which decides whether the 4 KiB L1 default of afa88b2 holds there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
 mkdir -p "$out"
 part=${1:-v4}
-if [ "$part" = v4 ]; then
+if [ "$part" = auto ]; then
+timeout 500 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 7 --concurrency 1,4,8,16 \
+    --rounds 3 --prompts 48 --only "none,dspark K=7,dspark phase-fit,dspark auto,draft_model auto" --stage-clock --step-clock \
+    --phase-k-fit '{"reasoning": 7, "content": 5, "tool_call": 7}' --out "$out/auto.json" 2>&1 \
+    | grep -v "INFO\|Loading\|Capturing" | tail -40 | tee "$out/auto.txt"
+elif [ "$part" = cpukernel ]; then
+timeout 150 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4,bf16 --batches 1,4 --threads 15 --no-torch --calls 10 \
+    --layers 3 --num-experts-kept 64 --act-dtype auto,int8 --prefetch 1024:0,4096:0,2048:8192,0:0 --out "$out/cpu_moe_pf.json" 2>&1 \
+    | grep "tandem-\|RAM read" | grep -v "layers x" | tee "$out/cpu_moe_pf.txt"
+elif [ "$part" = v4 ]; then
 timeout 400 python3 benchmarks/bench_v4.py --layers 4 --batches 1,8 --prompt 512 --new-tokens 64 --prefill 8192 \
     --profile --out "$out/v4_full.json" 2>&1 | grep -E "^HBM|^tandem|^transformers|tok_s|ms\"|Error" | tee "$out/v4_full.txt"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_v4_*.py tests/test_deepseek_v4_engine.py \
