@@ -193,7 +193,7 @@ void unpack_expert(int fmt, int hidden, int inter, const uint8_t* expert, float*
 // The L1 distance bounds the bytes a thread has in flight: at ~130 ns of DRAM latency under load,
 // 1 KiB ahead caps a thread near 8 GB/s, which is what MXFP4 read per thread with 15 threads on
 // a 16-core Xeon whose RAM gives 12.8 GB/s a thread (BENCHMARKS.md, session 14). 4 KiB: MXFP4
-// 8-10% faster than 1 KiB in a same-run A/B on a 2-core EPYC (2-8 KiB alike), bf16 unchanged.
+// 4-20% faster than 1 KiB in same-run A/Bs on a 2-core EPYC (2-8 KiB alike), bf16 unchanged.
 struct Tuning {
     int64_t prefetch_l1 = 4096;  // bytes ahead of the weight stream prefetched to L1 (0: none)
     int64_t prefetch_l2 = 0;     // bytes ahead prefetched to L2 only (0: none)
