@@ -14,6 +14,7 @@ placement `tandem serve` would choose for a GPU budget (default 8 GiB), then per
 
     python benchmarks/bench_offload.py --out offload.json                   # Qwen3-30B-A3B, 8 GiB GPU
     python benchmarks/bench_offload.py --shape tiny --device cpu --batches 1,2   # CPU smoke run
+    python benchmarks/bench_offload.py --handoff hostfunc,poll   # A/B of --cpu-moe-handoff, one process
 
 Random weights route tokens about uniformly, so a batch touches about as many distinct experts as
 uniform routing predicts; real checkpoints route less evenly (fewer distinct experts).
@@ -43,6 +44,7 @@ from tandem.models.loader import build_meta_model  # noqa: E402
 from tandem.models.registry import get_model_class  # noqa: E402
 from tandem.offload import cpu_experts  # noqa: E402
 from tandem.offload.cpu_executor import CpuMoEExecutor, OffloadedExperts  # noqa: E402
+from tandem.offload.handoff import HANDOFFS, Doorbell  # noqa: E402
 from tandem.offload.placement import expert_bytes  # noqa: E402
 from tandem.offload.planner import plan_memory  # noqa: E402
 
@@ -147,8 +149,13 @@ def main() -> None:
                                                              "placement `tandem serve` picks for --gpu-budget)")
     ap.add_argument("--num-experts-kept", type=int, default=None,
                     help="experts per layer (fewer than the shape's, to fit RAM; bytes per token do not change)")
+    ap.add_argument("--handoff", default="hostfunc",
+                    help=f"--cpu-moe-handoff, or several ({','.join(HANDOFFS)}): each measured in turn (CUDA)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    handoffs = args.handoff.split(",")
+    if any(h not in HANDOFFS for h in handoffs) or (args.device != "cuda" and handoffs != ["hostfunc"]):
+        raise SystemExit(f"--handoff takes {', '.join(HANDOFFS)} (on CUDA; a CPU run calls the kernel directly)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from tandem.config import parse_size
 
@@ -184,37 +191,53 @@ def main() -> None:
         per_expert = expert_bytes(placement.cpu_format, cfg["hidden_size"], cfg["moe_intermediate_size"])
         results.update(fmt=placement.cpu_format, act_dtype=args.act_dtype, cpu_layers=list(placement.cpu_layers), kernel_isa=cpu_experts.kernel_isa(),
                        threads=cpu_experts.num_threads(), bytes_per_expert=per_expert, placement=placement.reason)
-        engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
-        rows = []
-        for b in batches:
-            run_decode(engine, b, args.prompt, 8, seed=100 + b)  # warm-up
-            r = run_decode(engine, b, args.prompt, args.new_tokens, seed=200 + b)
-            k = kernel_ms(sink, b, cfg["num_experts_per_tok"], dtype)
-            step_ms = 1e3 * b / r["decode_tok_s"]
-            cpu_bytes = k["distinct_experts"] * per_expert * len(sink.layers)
-            rows.append({**r, **k, "step_ms": step_ms, "expert_bytes_per_step": cpu_bytes,
-                         "kernel_gbps": k["distinct_experts"] * per_expert / k["kernel_ms"] / 1e6,
-                         "roofline_ms": 1e3 * cpu_bytes / ram, "roofline_share": 1e3 * cpu_bytes / ram / step_ms})
-            print(f"batch {b}: {r['decode_tok_s']:.2f} tok/s ({step_ms:.1f} ms a step, {r['graph_steps']} graph steps), "
-                  f"kernel {k['kernel_ms']:.2f} ms a layer ({rows[-1]['kernel_gbps']:.1f} GB/s), "
-                  f"RAM roofline share {rows[-1]['roofline_share']:.0%}", flush=True)
-        del engine
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        if device == "cuda":  # the copies and host nodes with nothing computed: the offload's own cost
-            zero_rows = torch.zeros(1, dtype=torch.int32, device=device)
-            for i, layer in sink.layers.items():
-                model.moe_blocks()[i].set_executor(CpuMoEExecutor(layer, sink.staging, rows=zero_rows))
+        bells = {h: Doorbell() if h == "poll" else None for h in handoffs}
+        zero_rows = torch.zeros(1, dtype=torch.int32, device=device)
+
+        def use(handoff: str, rows: torch.Tensor | None = None) -> None:
+            """CPU experts on every offloaded layer, handed off so (rows: the count the kernel is told)."""
+            if device == "cuda":
+                for i, layer in sink.layers.items():
+                    model.moe_blocks()[i].set_executor(CpuMoEExecutor(layer, sink.staging, rows=rows,
+                                                                      doorbell=bells[handoff]))
+
+        rows = [{"batch": b, "by_handoff": {}} for b in batches]
+        for n, handoff in enumerate(handoffs):
+            use(handoff)
             engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
             for row in rows:
                 b = row["batch"]
-                run_decode(engine, b, args.prompt, 8, seed=500 + b)
-                row["transfer_only_ms"] = 1e3 * b / run_decode(engine, b, args.prompt, args.new_tokens,
-                                                               seed=600 + b)["decode_tok_s"]
+                run_decode(engine, b, args.prompt, 8, seed=100 + b)  # warm-up
+                r = run_decode(engine, b, args.prompt, args.new_tokens, seed=200 + b)
+                if n == 0:
+                    row.update(kernel_ms(sink, b, cfg["num_experts_per_tok"], dtype))
+                step_ms = 1e3 * b / r["decode_tok_s"]
+                cpu_bytes = row["distinct_experts"] * per_expert * len(sink.layers)
+                got = {**r, "step_ms": step_ms, "roofline_share": 1e3 * cpu_bytes / ram / step_ms}
+                row["by_handoff"][handoff] = got
+                if n == 0:  # the first hand-off's figures are the row's own
+                    row.update(got, expert_bytes_per_step=cpu_bytes, roofline_ms=1e3 * cpu_bytes / ram,
+                               kernel_gbps=row["distinct_experts"] * per_expert / row["kernel_ms"] / 1e6)
+                print(f"batch {b} ({handoff}): {r['decode_tok_s']:.2f} tok/s ({step_ms:.1f} ms a step, "
+                      f"{r['graph_steps']} graph steps), kernel {row['kernel_ms']:.2f} ms a layer "
+                      f"({row['kernel_gbps']:.1f} GB/s), RAM roofline share {got['roofline_share']:.0%}", flush=True)
             del engine
             gc.collect()
-            torch.cuda.empty_cache()
+            if device == "cuda":  # the copies and hand-offs with nothing computed: the offload's own cost
+                torch.cuda.empty_cache()
+                use(handoff, rows=zero_rows)
+                engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
+                for row in rows:
+                    b = row["batch"]
+                    run_decode(engine, b, args.prompt, 8, seed=500 + b)
+                    row["by_handoff"][handoff]["transfer_only_ms"] = 1e3 * b / run_decode(
+                        engine, b, args.prompt, args.new_tokens, seed=600 + b)["decode_tok_s"]
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache()
+        for bell in bells.values():
+            if bell is not None:
+                bell.check()
         for i in sink.layers:  # the GPU side alone, in the same graphs
             model.moe_blocks()[i].set_executor(ZeroExperts())
         engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
@@ -224,13 +247,15 @@ def main() -> None:
             r = run_decode(engine, b, args.prompt, args.new_tokens, seed=400 + b)
             row["gpu_side_ms"] = 1e3 * b / r["decode_tok_s"]
             row["predicted_ms"] = row["gpu_side_ms"] + len(sink.layers) * row["kernel_ms"]
-            row["step_over_predicted"] = row["step_ms"] / row["predicted_ms"]
-            per_layer = ""
-            if "transfer_only_ms" in row:
-                row["transfer_us_per_layer"] = 1e3 * (row["transfer_only_ms"] - row["gpu_side_ms"]) / len(sink.layers)
-                per_layer = f", copies + host node {row['transfer_us_per_layer']:.0f} us a layer"
-            print(f"batch {b}: GPU side {row['gpu_side_ms']:.2f} ms, predicted {row['predicted_ms']:.1f} ms, "
-                  f"measured {row['step_ms']:.1f} ms ({row['step_over_predicted']:.3f}x){per_layer}", flush=True)
+            for handoff, got in row["by_handoff"].items():
+                got["step_over_predicted"] = got["step_ms"] / row["predicted_ms"]
+                per_layer = ""
+                if "transfer_only_ms" in got:
+                    got["transfer_us_per_layer"] = 1e3 * (got["transfer_only_ms"] - row["gpu_side_ms"]) / len(sink.layers)
+                    per_layer = f", copies + hand-off {got['transfer_us_per_layer']:.0f} us a layer"
+                print(f"batch {b} ({handoff}): GPU side {row['gpu_side_ms']:.2f} ms, predicted {row['predicted_ms']:.1f} "
+                      f"ms, measured {got['step_ms']:.1f} ms ({got['step_over_predicted']:.3f}x){per_layer}", flush=True)
+            row.update({k: v for k, v in row["by_handoff"][handoffs[0]].items() if k not in row})
         results["decode"] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

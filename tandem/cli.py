@@ -76,7 +76,7 @@ def _add_capacity_flags(p: argparse.ArgumentParser, batched_note: str = "") -> N
 
 def _add_offload_flags(p: argparse.ArgumentParser) -> None:
     """Where routed experts go (`serve` and `plan` alike): see tandem/offload/placement.py."""
-    from tandem.config import CPU_MOE_ACT_DTYPES, CPU_MOE_DTYPES
+    from tandem.config import CPU_MOE_ACT_DTYPES, CPU_MOE_DTYPES, CPU_MOE_HANDOFFS
 
     p.add_argument("--cpu-moe", action="store_true",
                    help="keep every MoE layer's routed experts in system RAM and compute them on the CPU "
@@ -97,6 +97,10 @@ def _add_offload_flags(p: argparse.ArgumentParser) -> None:
                    help="the CPU experts' activations: auto (fp32 math; bf16 pairs on avx512bf16 CPUs) or int8: "
                         "quantised per block of 32 for integer dot products with int4 / mxfp4 experts, faster to "
                         "decode and LOSSY (default: auto)")
+    p.add_argument("--cpu-moe-handoff", default=OffloadConfig.cpu_moe_handoff, choices=CPU_MOE_HANDOFFS,
+                   help="how the GPU stream hands each offloaded layer to the CPU experts and waits: hostfunc (a "
+                        "CUDA host node) or poll (a thread polling pinned flags the stream writes and waits on; "
+                        f"default: {OffloadConfig.cpu_moe_handoff})")
     p.add_argument("--cpu-memory", default=None, metavar="SIZE",
                    help="plan for a machine with this much RAM, e.g. 256GiB (default: this machine's available RAM)")
     p.add_argument("--hot-experts", default=None, metavar="FILE|online",
@@ -125,6 +129,7 @@ def offload_config(args: argparse.Namespace) -> OffloadConfig:
         cpu_moe_dtype=args.cpu_moe_dtype,
         cpu_memory=parse_size(args.cpu_memory) if args.cpu_memory else None,
         cpu_moe_act_dtype=args.cpu_moe_act_dtype,
+        cpu_moe_handoff=args.cpu_moe_handoff,
         hot_experts=args.hot_experts,
         hot_expert_memory=parse_size(args.hot_expert_memory) if args.hot_expert_memory else None,
         stream_experts=args.stream_experts,

@@ -292,6 +292,7 @@ class SpecConfig:
 
 CPU_MOE_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "mxfp4")
 CPU_MOE_ACT_DTYPES = ("auto", "int8")  # tandem/offload/cpu_experts.py ACT_DTYPES
+CPU_MOE_HANDOFFS = ("hostfunc", "poll")  # tandem/offload/handoff.py HANDOFFS
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,9 @@ class OffloadConfig:
     # The CPU kernel's activations: auto (fp32 math, or bf16 pairs on avx512bf16) or int8 (per
     # block of 32, LOSSY, for int4 / mxfp4 experts: fewer lookups and products per weight).
     cpu_moe_act_dtype: str = "auto"
+    # How a CUDA stream hands a layer to the CPU experts and waits for it (tandem/offload/handoff.py):
+    # a host node (hostfunc) or a polling thread the stream signals through pinned flags (poll).
+    cpu_moe_handoff: str = "hostfunc"
     # Hot experts (tandem/offload/hot_experts.py): a `tandem profile-experts` calibration file, and
     # the device bytes its most-used experts of the offloaded layers may take there as well.
     hot_experts: str | None = None
@@ -341,6 +345,9 @@ class OffloadConfig:
             raise ValueError(f"--cpu-moe-act-dtype must be one of {', '.join(CPU_MOE_ACT_DTYPES)}, "
                              f"got {self.cpu_moe_act_dtype!r}")
         # cpu_experts.INT8_ACT_FORMATS; "auto" is checked once the placement resolves it
+        if self.cpu_moe_handoff not in CPU_MOE_HANDOFFS:
+            raise ValueError(f"--cpu-moe-handoff must be one of {', '.join(CPU_MOE_HANDOFFS)}, "
+                             f"got {self.cpu_moe_handoff!r}")
         if self.cpu_moe_act_dtype == "int8" and self.cpu_moe_dtype not in ("auto", "int4", "mxfp4"):
             raise ValueError(f"--cpu-moe-act-dtype int8 covers int4 and mxfp4 experts, not --cpu-moe-dtype "
                              f"{self.cpu_moe_dtype}: use --cpu-moe-dtype int4 or mxfp4, or --cpu-moe-act-dtype auto")

@@ -58,6 +58,7 @@ class LLM:
         cpu_moe_threads: int | None = None,
         cpu_moe_dtype: str = "auto",
         cpu_moe_act_dtype: str = "auto",
+        cpu_moe_handoff: str = OffloadConfig.cpu_moe_handoff,
         hot_experts: str | None = None,
         hot_expert_memory: str | int | None = None,
         stream_experts: str = "auto",
@@ -82,7 +83,7 @@ class LLM:
             offload=OffloadConfig(cpu_moe, n_cpu_moe, OffloadConfig.parse_layers(gpu_resident_moe_layers)
                                   if isinstance(gpu_resident_moe_layers, str) else gpu_resident_moe_layers,
                                   cpu_moe_threads, cpu_moe_dtype, cpu_moe_act_dtype=cpu_moe_act_dtype,
-                                  hot_experts=hot_experts,
+                                  cpu_moe_handoff=cpu_moe_handoff, hot_experts=hot_experts,
                                   hot_expert_memory=parse_size(hot_expert_memory) if hot_expert_memory is not None
                                   else None, stream_experts=stream_experts,
                                   stream_experts_min_tokens=stream_experts_min_tokens,

@@ -40,10 +40,12 @@ _X86_UNITS: dict[str, tuple[str, ...]] = {
     "moe_scalar.cpp": ("-O3",),
     "moe_avx2.cpp": ("-O3", *_AVX2),
     "moe_avx512.cpp": ("-O3", *_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    "moe_doorbell.cpp": ("-O2",),
 }
 _PORTABLE_UNITS: dict[str, tuple[str, ...]] = {  # other CPUs: the scalar kernels only
     "moe_common.cpp": ("-O2", "-DTANDEM_SCALAR_ONLY"),
     "moe_scalar.cpp": ("-O3",),
+    "moe_doorbell.cpp": ("-O2",),
 }
 
 

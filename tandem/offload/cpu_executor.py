@@ -8,8 +8,10 @@ few stream operations, eager or inside a CUDA graph alike:
     host node: the kernel reads the staging buffers, computes, writes the staged output
     --(H2D)--> the layer's output on the GPU
 
-The host node is `cuLaunchHostFunc` with a C function of the kernel library (it never enters
-Python), so a captured decode graph replays CPU experts with no Python in the loop. The staging
+The hand-off to the CPU and back (`--cpu-moe-handoff`, tandem/offload/handoff.py) is a host node
+(`cuLaunchHostFunc` with a C function of the kernel library) or the doorbell (stream writes and
+waits on pinned flags that a polling thread serves); neither enters Python, so a captured decode
+graph replays CPU experts with no Python in the loop. The staging
 buffers are shared by every offloaded layer: the stream orders one layer's copies and host node
 after the previous layer's. The number of rows the kernel computes is a device scalar copied with
 the inputs: eager calls set it to the rows they pass; before a graph replay the runner writes the
@@ -19,8 +21,6 @@ real rows of the padded batch into it (`live_rows`), so the kernel skips the pad
 from __future__ import annotations
 
 import copy
-import ctypes
-import functools
 import logging
 import re
 import resource
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tandem.offload.hot_experts import HotExpertsExecutor
+from tandem.offload.handoff import Doorbell, launch_host_func
 from tandem.offload.hot_online import ONLINE, OnlineHotExperts
 from tandem.offload.streaming import ExpertStreamer, StreamingExecutor
 
@@ -43,21 +44,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tandem")
 
 _EXPERT_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-@functools.cache
-def _cu_launch_host_func():  # noqa: ANN202 - a ctypes function
-    """The driver's cuLaunchHostFunc(CUstream, CUhostFn, void*) (libcuda is loaded by torch)."""
-    fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def launch_host_func(stream: torch.cuda.Stream, fn_ptr: int, arg_ptr: int) -> None:
-    rc = _cu_launch_host_func()(stream.cuda_stream, fn_ptr, arg_ptr)
-    if rc != 0:
-        raise RuntimeError(f"cuLaunchHostFunc failed with CUresult {rc}: the CPU experts cannot be queued on the stream")
 
 
 def pin_in_place(tensor: torch.Tensor) -> None:
@@ -91,15 +77,20 @@ class Staging:
 class CpuMoEExecutor:
     """MoEExecutor for one offloaded layer (its experts in `layer`, in RAM)."""
 
-    def __init__(self, layer: CpuExpertLayer, staging: Staging | None, rows: torch.Tensor | None = None) -> None:
+    def __init__(self, layer: CpuExpertLayer, staging: Staging | None, rows: torch.Tensor | None = None,
+                 doorbell: Doorbell | None = None) -> None:
         """`rows` (a device int32 scalar; default the staging's live_rows) is what the kernel is told
-        to compute; benchmarks pass a zero to time the copies and the host node alone."""
+        to compute; benchmarks pass a zero to time the copies and the hand-off alone. With a
+        `doorbell` the stream rings it (`--cpu-moe-handoff poll`), else it queues a host node."""
         self.layer = layer
         self.staging = staging
         self.rows = rows if rows is not None or staging is None else staging.live_rows
         self.job = None
+        self.doorbell, self.number = doorbell, -1
         if staging is not None:
             self.job = layer.host_job(staging.hidden, staging.ids, staging.weights, staging.out, staging.count)
+            if doorbell is not None:
+                self.number = doorbell.add(self.job)
 
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if hidden.device.type == "cpu":
@@ -130,7 +121,11 @@ class CpuMoEExecutor:
         stage.ids[:n].copy_(topk_ids, non_blocking=True)
         stage.weights[:n].copy_(topk_weights, non_blocking=True)
         stage.count.copy_(self.rows, non_blocking=True)
-        launch_host_func(torch.cuda.current_stream(hidden.device), self.job.fn_ptr, self.job.arg_ptr)
+        stream = torch.cuda.current_stream(hidden.device)
+        if self.doorbell is not None:
+            self.doorbell.ring(stream, self.number)
+        else:
+            launch_host_func(stream, self.job.fn_ptr, self.job.arg_ptr)
         return stage.out[:n].to(hidden.device, non_blocking=True)
 
 
@@ -156,6 +151,7 @@ class OffloadedExperts:
         self.layers: dict[int, CpuExpertLayer] = {}
         self._pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.staging: Staging | None = None
+        self.doorbell: Doorbell | None = None  # --cpu-moe-handoff poll on CUDA (install)
         # Hot experts (hot_experts.py): also kept on the device, built from a meta template of the
         # layer's expert module once the checkpoint's three tensors of one have come.
         self.hot = dict(placement.hot)
@@ -215,9 +211,11 @@ class OffloadedExperts:
             first = blocks[min(self.layers)]
             hidden = first.gate.weight.shape[1]  # the router: a Linear (Qwen3) or its own module (V4)
             self.staging = Staging(self.staging_rows, hidden, first.top_k, dtype, device)
+            if self.offload is not None and self.offload.cpu_moe_handoff == "poll":
+                self.doorbell = Doorbell()
         device_executor = "grouped" if device.type == "cuda" and dtype == torch.bfloat16 else "torch"
         for i, layer in self.layers.items():
-            executor = CpuMoEExecutor(layer, self.staging)
+            executor = CpuMoEExecutor(layer, self.staging, doorbell=self.doorbell)
             if i in self.hot:
                 hot = nn.ModuleList(self._hot_expert(i, e, device, dtype) for e in self.hot[i])
                 executor = self.hot_executors[i] = HotExpertsExecutor(executor, hot, self.hot[i], blocks[i].num_experts,
@@ -236,8 +234,10 @@ class OffloadedExperts:
                         self.placement.hot_source, 100 * self.placement.hot_hit_rate)
         model.cpu_experts = self  # the runner writes a graph replay's real rows into live_rows
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-        logger.info("CPU experts installed on layers %s; peak RSS %.2f GiB (experts in RAM %.2f GiB)",
-                    _short(sorted(self.layers)), peak / 2**30, self.placement.cpu_bytes / 2**30)
+        handoff = "" if self.staging is None else (", hand-off: a polling thread (poll)" if self.doorbell is not None
+                                                   else ", hand-off: CUDA host nodes (hostfunc)")
+        logger.info("CPU experts installed on layers %s; peak RSS %.2f GiB (experts in RAM %.2f GiB)%s",
+                    _short(sorted(self.layers)), peak / 2**30, self.placement.cpu_bytes / 2**30, handoff)
 
     def _streamer(self, blocks: dict[int, nn.Module], device: torch.device, dtype: torch.dtype) -> ExpertStreamer | None:
         """The expert streamer the settings ask for (None: off), its threshold from the cost model
