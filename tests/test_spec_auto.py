@@ -339,6 +339,44 @@ def test_requests_that_reuse_ids_of_a_finished_batch_are_searched_afresh(monkeyp
     assert searched
 
 
+def test_an_all_zero_choice_found_again_for_the_same_batch_is_held_longer(monkeypatch):
+    # At K = 0 nothing new is verified: a search that finds all zero again for the same requests
+    # in the same phases stands twice as long each time (up to ZERO_HOLD_MAX steps), so a plain
+    # step rarely pays for a search; a new request searches at once and is held REFRESH_STEPS again.
+    from tandem.spec import auto as auto_module
+
+    searches = []
+    real = auto_module.choose_ks
+    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
+    cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0, 4: 30.0, 5: 40.0} for b in (1, 2, 4, 8, 16)})
+    auto = AutoK(4, (1, 2, 3, 4), cost)
+
+    def drive(ids: list[str], steps: int) -> list[int]:
+        """Steps as the engine takes them; returns the lengths of the runs of held steps."""
+        phases, runs, held = ["reasoning"] * len(ids), [], 0
+        for _ in range(steps):
+            if auto.repeat_zero(ids, phases):
+                held += 1
+                continue
+            if held:
+                runs.append(held)
+            held = 0
+            for rid, k in zip(ids, auto.choose(ids, phases, [99] * len(ids))):
+                if k:
+                    auto.observe(rid, k, 0)  # every probe rejected
+        return runs
+
+    ids = [f"r{i}" for i in range(8)]
+    drive(ids, 300)  # past the probes of thin evidence
+    searches.clear()
+    runs = drive(ids, 400)
+    assert max(runs) == auto_module.ZERO_HOLD_MAX - 1
+    assert len(searches) <= 400 // (4 * auto_module.REFRESH_STEPS), len(searches)  # 50 at a fixed refresh
+    searches.clear()
+    runs = drive([*ids, "r8"], 2 * auto_module.REFRESH_STEPS)  # a new request: searched, then held afresh
+    assert searches and runs and runs[0] <= auto_module.REFRESH_STEPS - 1
+
+
 def test_a_costly_catch_up_spaces_the_probes_out_of_k0():
     # Nothing is ever accepted: K = 0, with probes. A draft model's probe out of K = 0 also pays
     # for catching up on the skipped tokens; once that is learned, probes come far less often.

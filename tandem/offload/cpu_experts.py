@@ -30,7 +30,7 @@ read once when it loads (results do not depend on the prefetch ones):
   TANDEM_CPU_ISA          scalar | avx2 | avx512 | avx512bf16: force an ISA;
   TANDEM_CPU_PREFETCH_L1  bytes ahead of the weight stream the AVX-512 kernels prefetch into L1
                           (default 4096; 0 off);
-  TANDEM_CPU_PREFETCH_L2  bytes ahead they prefetch into L2 only (default 0: off).
+  TANDEM_CPU_PREFETCH_L2  bytes ahead they prefetch into L2 only (default 16384; 0 off).
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ REFINE_MIN_GAIN = 0.05  # a confidence cut is tried when one verify token less s
 MIN_EVIDENCE = 8.0  # verifies of a phase that tried a position before K may stop short of it
 RUN = "+run"  # the statistics' key suffix of a request whose last draft was accepted whole
 REFRESH_STEPS = 8  # steps a request's choice in a context is reused before the batch is searched again
+ZERO_HOLD_MAX = 64  # the longest an all-zero choice re-found for the same batch is held (see _zero_hold)
 MIX_MAX_BATCH = 2  # the largest batch whose padded choice is kept per mix of contexts (see _run_mix)
 CONFIDENCE_BINS = 10
 CONFIDENCE_WEIGHT = 8.0  # pseudo-observations of the raw confidence in each bin's calibration
@@ -145,6 +146,10 @@ class AutoK:
         self._hold_of: tuple[list[str], list[str]] = ([], [])  # (ids, phases)
         self._held: list[tuple[str, str]] = []  # (id, key) of the requests held
         self._held_steps = 0
+        # Steps an all-zero choice may stand from the search that made it: REFRESH_STEPS, doubled
+        # (up to ZERO_HOLD_MAX) each time a search of the same requests in the same phases finds
+        # all zero again, back to REFRESH_STEPS once a search drafts for any of them.
+        self._zero_refresh = REFRESH_STEPS
         # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step).
         self._batch: tuple[tuple[str, ...], tuple[str, ...], int, list[int], int] | None = None
         # The next captured depth above each K (None above the deepest): what a probe tries.
@@ -191,6 +196,8 @@ class AutoK:
             rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]
             previous = [self._previous.get(rid, _NOTHING).get(key, 0) for rid, key in zip(ids, keys)]
             ks = choose_ks(rates, self.depths, self.cost, previous, limits)
+            if any(ks):
+                self._zero_refresh = REFRESH_STEPS
             for rid, key, k, r in zip(ids, keys, ks, rates):
                 choices = self._choice.get(rid)
                 if choices is None:
@@ -225,8 +232,13 @@ class AutoK:
             if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
                 self._in_run[rid] = True
             self._pending[rid] = _Pending(phases[i], key, rates[i])
+        refound = self._hold_of == (list(ids), list(phases))  # the batch the last all-zero hold was for
+        if not refound:
+            self._zero_refresh = REFRESH_STEPS
         self._hold = 0 if any(ks) else self._zero_hold(ids, keys, limits, idle, searched)
         if self._hold:
+            if refound and searched and searched[0] == self._step:  # all zero again, from a search just made
+                self._zero_refresh = min(2 * self._zero_refresh, ZERO_HOLD_MAX)
             self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
         return ks
 
@@ -269,13 +281,18 @@ class AutoK:
         """Steps an all-zero choice just made would repeat unchanged: before the search it came
         from (searched[i]: the step of request i's, its own or the batch's) expires or a request's
         next probe falls due (0 while a phase lacks evidence: it probes; 0 for a request choosing
-        after a rejection: at K = 0 its context changes next step)."""
-        hold = REFRESH_STEPS
+        after a rejection: at K = 0 its context changes next step). A search that keeps finding
+        all zero for the same batch stands longer each time (`_zero_refresh`): at K = 0 nothing
+        new is verified, so the estimates it ran on move only with the step times and probes
+        (which end a hold when due), and a search every REFRESH_STEPS steps was most of what a
+        plain step costs the host on top of no speculation."""
+        refresh = self._zero_refresh
+        hold = refresh
         intervals: dict[int, float] = {}
         for rid, key, limit, at in zip(ids, keys, limits, searched):
             if not key.endswith(RUN):
                 return 0
-            hold = min(hold, REFRESH_STEPS - 1 - (self._step - at))
+            hold = min(hold, refresh - 1 - (self._step - at))
             deeper = next((d for d in self.depths if 0 < d <= limit), None)
             if deeper is None:
                 continue

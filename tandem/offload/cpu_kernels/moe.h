@@ -192,11 +192,13 @@ void unpack_expert(int fmt, int hidden, int inter, const uint8_t* expert, float*
 // from debugging environment variables) and read by the kernels at each tile call.
 // The L1 distance bounds the bytes a thread has in flight: at ~130 ns of DRAM latency under load,
 // 1 KiB ahead caps a thread near 8 GB/s, which is what MXFP4 read per thread with 15 threads on
-// a 16-core Xeon whose RAM gives 12.8 GB/s a thread (BENCHMARKS.md, session 14). 4 KiB: MXFP4
-// 4-20% faster than 1 KiB in same-run A/Bs on a 2-core EPYC (2-8 KiB alike), bf16 unchanged.
+// a 16-core Xeon whose RAM gives 12.8 GB/s a thread (BENCHMARKS.md, session 14). On a GPU box's
+// 16-core Xeon (session 15, same-run A/B, 15 threads, cold) L1 4 KiB + L2 16 KiB beat the others
+// tried everywhere: bf16 84% -> 101-103% of the RAM probe from 1 KiB / no L2, MXFP4 with int8
+// activations 58-63% -> 68-73%, exact MXFP4 46-51% -> 48-54% (its decode bounds it).
 struct Tuning {
     int64_t prefetch_l1 = 4096;  // bytes ahead of the weight stream prefetched to L1 (0: none)
-    int64_t prefetch_l2 = 0;     // bytes ahead prefetched to L2 only (0: none)
+    int64_t prefetch_l2 = 16384; // bytes ahead prefetched to L2 only (0: none)
 };
 extern Tuning g_tuning;
 
