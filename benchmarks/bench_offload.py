@@ -151,6 +151,8 @@ def main() -> None:
                     help="experts per layer (fewer than the shape's, to fit RAM; bytes per token do not change)")
     ap.add_argument("--handoff", default="hostfunc",
                     help=f"--cpu-moe-handoff, or several ({','.join(HANDOFFS)}): each measured in turn (CUDA)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure the hand-offs this many times, interleaved; each figure is the median")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     handoffs = args.handoff.split(",")
@@ -202,7 +204,8 @@ def main() -> None:
                                                                       doorbell=bells[handoff]))
 
         rows = [{"batch": b, "by_handoff": {}} for b in batches]
-        for n, handoff in enumerate(handoffs):
+        runs: dict[tuple[int, str], list[dict]] = {}  # (batch, hand-off) -> one dict per repeat
+        for n, handoff in enumerate(handoffs * args.repeats):
             use(handoff)
             engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
             for row in rows:
@@ -214,9 +217,9 @@ def main() -> None:
                 step_ms = 1e3 * b / r["decode_tok_s"]
                 cpu_bytes = row["distinct_experts"] * per_expert * len(sink.layers)
                 got = {**r, "step_ms": step_ms, "roofline_share": 1e3 * cpu_bytes / ram / step_ms}
-                row["by_handoff"][handoff] = got
-                if n == 0:  # the first hand-off's figures are the row's own
-                    row.update(got, expert_bytes_per_step=cpu_bytes, roofline_ms=1e3 * cpu_bytes / ram,
+                runs.setdefault((b, handoff), []).append(got)
+                if n == 0:
+                    row.update(expert_bytes_per_step=cpu_bytes, roofline_ms=1e3 * cpu_bytes / ram,
                                kernel_gbps=row["distinct_experts"] * per_expert / row["kernel_ms"] / 1e6)
                 print(f"batch {b} ({handoff}): {r['decode_tok_s']:.2f} tok/s ({step_ms:.1f} ms a step, "
                       f"{r['graph_steps']} graph steps), kernel {row['kernel_ms']:.2f} ms a layer "
@@ -230,7 +233,7 @@ def main() -> None:
                 for row in rows:
                     b = row["batch"]
                     run_decode(engine, b, args.prompt, 8, seed=500 + b)
-                    row["by_handoff"][handoff]["transfer_only_ms"] = 1e3 * b / run_decode(
+                    runs[(b, handoff)][-1]["transfer_only_ms"] = 1e3 * b / run_decode(
                         engine, b, args.prompt, args.new_tokens, seed=600 + b)["decode_tok_s"]
                 del engine
                 gc.collect()
@@ -238,6 +241,13 @@ def main() -> None:
         for bell in bells.values():
             if bell is not None:
                 bell.check()
+        for row in rows:  # per hand-off: the median of its repeats (by step time), and every step time
+            for handoff in handoffs:
+                got = sorted(runs[(row["batch"], handoff)], key=lambda g: g["step_ms"])
+                row["by_handoff"][handoff] = {**got[(len(got) - 1) // 2], "step_ms_runs": [g["step_ms"] for g in got]}
+                if "transfer_only_ms" in got[0]:
+                    only = sorted(g["transfer_only_ms"] for g in got)
+                    row["by_handoff"][handoff]["transfer_only_ms"] = only[(len(only) - 1) // 2]
         for i in sink.layers:  # the GPU side alone, in the same graphs
             model.moe_blocks()[i].set_executor(ZeroExperts())
         engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
