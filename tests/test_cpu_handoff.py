@@ -90,3 +90,19 @@ def test_the_handoff_flag_is_checked():
     assert OffloadConfig(cpu_moe_handoff="poll").cpu_moe_handoff == "poll"
     with pytest.raises(ValueError, match="--cpu-moe-handoff must be one of hostfunc, poll"):
         OffloadConfig(cpu_moe_handoff="callback")
+
+
+def test_submit_gives_the_call_s_output():
+    """The MoE executor's optional submit/collect (tandem/models/layers/moe.py): an executor
+    without it is called at once; the CPU experts on a CPU run compute at once too."""
+    from tandem.models.layers.moe import submit_experts
+    from tandem.offload.cpu_executor import CpuMoEExecutor
+
+    x, ids, w, _, _ = _buffers()
+    layer = _layer(5)
+    want = layer(x, ids, w)
+    calls = []
+    collect = submit_experts(lambda *a: calls.append(1) or layer(*a), x, ids, w)
+    assert calls == [1]  # called by submit, not by collect
+    torch.testing.assert_close(collect(), want)
+    torch.testing.assert_close(submit_experts(CpuMoEExecutor(layer, None), x, ids, w)(), want)

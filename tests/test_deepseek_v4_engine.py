@@ -273,14 +273,17 @@ def test_a_v4_checkpoint_is_planned_from_its_tensors(tmp_path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_captured_decode_graphs_give_the_reference_tokens(tmp_path) -> None:
+@pytest.mark.parametrize("handoff", ["hostfunc", "poll"])
+def test_on_cuda_captured_decode_graphs_give_the_reference_tokens(tmp_path, handoff) -> None:
     """V4's decode and verify steps captured and replayed (fp32, Triton attention; the torch MoE
-    executor is not capturable, so every expert is on the CPU), the tokens against transformers."""
+    executor is not capturable, so every expert is on the CPU), the tokens against transformers.
+    With the doorbell (poll) the shared expert runs on the GPU between the request and the wait."""
     hf = save_v4(tmp_path, "all_kinds")
     ps = prompts((5, 37, 70, 18))
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", kv_cache_memory="64MiB", attention_backend="triton",
-              cpu_moe=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+              cpu_moe=True, cpu_moe_handoff=handoff, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert llm.engine.runner.graphs, "no graph was captured"
+    assert (llm.engine.model.cpu_experts.doorbell is not None) == (handoff == "poll")
     for p, o in zip(ps, llm.generate(ps, GREEDY)):
         assert o.token_ids == reference(hf, p), len(p)
     eager = llm.engine.metrics.model_steps.labels(model_name=llm.engine.model_name, mode="eager")._value.get()

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.models.layers.moe import MoEExecutor, RoutedExperts, make_moe_executor
+from tandem.models.layers.moe import MoEExecutor, RoutedExperts, make_moe_executor, submit_experts
 
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")
 
@@ -112,4 +112,6 @@ class DeepseekV4MoE(RoutedExperts, nn.Module):
         """`forward` before its sum: (routed experts' output, shared expert's output), [T, H] each
         (the decode path adds them inside the mHC merge kernel)."""
         ids, weights = self.gate(hidden, input_ids)
-        return self.executor(hidden, ids, weights), self.shared_experts(hidden)
+        routed = submit_experts(self.executor, hidden, ids, weights)
+        shared = self.shared_experts(hidden)  # queued while the routed experts run (CPU experts: on the CPU)
+        return routed(), shared

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 import re
 import resource
 import weakref
@@ -114,19 +115,48 @@ class CpuMoEExecutor:
             out[start:end] = self._queue(hidden[start:end], topk_ids[start:end], topk_weights[start:end])
         return out
 
-    def _queue(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def submit(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+               ) -> Callable[[], torch.Tensor]:
+        """Starts the layer's experts and returns what gives their output (the MoE executor's
+        `submit`, tandem/models/layers/moe.py). With the doorbell, on CUDA, for a step that fits
+        the staging, the stream only requests the call here: GPU work queued before `collect()`
+        runs while the CPU computes. Otherwise the call is made whole now. Nothing may use the
+        CPU experts of another layer in between (the staging is shared)."""
+        stage = self.staging
+        if self.doorbell is None or hidden.device.type == "cpu" or stage is None or hidden.shape[0] > stage.rows:
+            out = self(hidden, topk_ids, topk_weights)
+            return lambda: out
+        if not torch.cuda.is_current_stream_capturing():
+            stage.live_rows.fill_(hidden.shape[0])
+        stream = self._stage_inputs(hidden, topk_ids, topk_weights)
+        self.doorbell.signal(stream, self.number)
+
+        def collect() -> torch.Tensor:
+            self.doorbell.wait(stream, self.number)
+            return stage.out[: hidden.shape[0]].to(hidden.device, non_blocking=True)
+
+        return collect
+
+    def _stage_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                      ) -> torch.cuda.Stream:
+        """The D2H copies of a call's inputs and row count into the staging; returns the stream."""
         stage, n = self.staging, hidden.shape[0]
-        assert stage is not None and self.job is not None
+        assert stage is not None
         stage.hidden[:n].copy_(hidden, non_blocking=True)
         stage.ids[:n].copy_(topk_ids, non_blocking=True)
         stage.weights[:n].copy_(topk_weights, non_blocking=True)
         stage.count.copy_(self.rows, non_blocking=True)
-        stream = torch.cuda.current_stream(hidden.device)
+        return torch.cuda.current_stream(hidden.device)
+
+    def _queue(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        stage = self.staging
+        assert stage is not None and self.job is not None
+        stream = self._stage_inputs(hidden, topk_ids, topk_weights)
         if self.doorbell is not None:
             self.doorbell.ring(stream, self.number)
         else:
             launch_host_func(stream, self.job.fn_ptr, self.job.arg_ptr)
-        return stage.out[:n].to(hidden.device, non_blocking=True)
+        return stage.out[: hidden.shape[0]].to(hidden.device, non_blocking=True)
 
 
 class OffloadedExperts:

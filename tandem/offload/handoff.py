@@ -114,9 +114,19 @@ class Doorbell:
 
     def ring(self, stream: torch.cuda.Stream, number: int) -> None:
         """Queues on `stream`: request job `number`, wait until it is done, clear the done flag."""
-        drv, flags, s = _driver(), self._device_address(), stream.cuda_stream
-        done = flags + 4 * _DONE_WORD
-        _check(drv.cuStreamWriteValue32_v2(s, flags, number + 1, 0), "cuStreamWriteValue32")
+        self.signal(stream, number)
+        self.wait(stream, number)
+
+    def signal(self, stream: torch.cuda.Stream, number: int) -> None:
+        """Queues on `stream` the request for job `number` (the thread starts it once the stream
+        gets there). Work queued after it, before `wait`, runs on the GPU meanwhile."""
+        _check(_driver().cuStreamWriteValue32_v2(stream.cuda_stream, self._device_address(), number + 1, 0),
+               "cuStreamWriteValue32")
+
+    def wait(self, stream: torch.cuda.Stream, number: int) -> None:
+        """Queues on `stream` the wait for job `number` to be done, then the done flag's clearing."""
+        drv, s = _driver(), stream.cuda_stream
+        done = self._device_address() + 4 * _DONE_WORD
         _check(drv.cuStreamWaitValue32_v2(s, done, number + 1, _CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
         _check(drv.cuStreamWriteValue32_v2(s, done, 0, 0), "cuStreamWriteValue32")
 

@@ -9,11 +9,18 @@ HF checkpoint layout. Who computes them is an executor behind a small registry:
 (tandem/kernels/moe_grouped.py, imported on first use: kernels are leaves and import nothing from
 the models). The CPU executor and the hot experts (tandem/offload/) are set per layer by the
 loader with `set_executor`, so model files never know which one runs.
+
+An executor may also have `submit(hidden, topk_ids, topk_weights) -> collect`, which starts the work
+and returns a function giving the output: a block with GPU work of its own that does not depend on
+the routed experts (DeepSeek-V4's shared expert) queues it between the two, so it overlaps work
+done elsewhere (the CPU experts with `--cpu-moe-handoff poll`). `submit_experts` falls back to
+the plain call for executors without it.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -28,6 +35,16 @@ class MoEExecutor(Protocol):
     def __call__(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], topk_ids [T, k] int64, topk_weights [T, k] (hidden's dtype) -> [T, H]."""
         ...
+
+
+def submit_experts(executor: MoEExecutor, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`executor.submit(...)` where it has one (see the module doc), else the call made now."""
+    submit = getattr(executor, "submit", None)
+    if submit is not None:
+        return submit(hidden, topk_ids, topk_weights)
+    out = executor(hidden, topk_ids, topk_weights)
+    return lambda: out
 
 
 # Name -> the executor class, "module:attr", imported on first use. A class takes the layer's
