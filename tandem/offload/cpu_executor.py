@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 import re
 import resource
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from tandem.offload.hot_experts import HotExpertsExecutor
 from tandem.offload.handoff import Doorbell, launch_host_func
+from tandem.offload.hot_experts import HotExpertsExecutor
 from tandem.offload.hot_online import ONLINE, OnlineHotExperts
 from tandem.offload.streaming import ExpertStreamer, StreamingExecutor
 

@@ -206,10 +206,12 @@ class PhaseTracker:
         if not new_token_ids:
             return self._phase
         markers = self.markers
-        if len(new_token_ids) == 1 and not markers.text:  # a decode step's token: one lookup (hot path)
-            kind = markers._kind_of_id.get(new_token_ids[0])
-            if kind is not None:
-                self._apply(kind)
+        if not markers.text:  # every marker is one token: a lookup per token (the hot path)
+            get = markers._kind_of_id.get
+            for token in new_token_ids:
+                kind = get(token)
+                if kind is not None:
+                    self._apply(kind)
             return self._phase
         for kind in self.markers.find(new_token_ids, self._text_tail):
             self._apply(kind)
