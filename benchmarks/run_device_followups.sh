@@ -25,12 +25,30 @@
 # DSpark at Kmax 7 and the draft model under auto, at 1-16 requests; `cpukernel` (~2 minutes): the
 # CPU kernel's prefetch distances on the box's Xeon, MXFP4 with exact and int8 activations and bf16
 # weights, which decides whether the 4 KiB L1 default of afa88b2 holds there.
+# After session 15 (three calls found no machine), `handoff` (~6 minutes; carry the llguidance wheel) waits: the GPU
+# tests of the doorbell and of V4's shared-expert overlap (bec6c7c), auto live after 345e982 without the stage clock, the
+# hand-offs interleaved three times with the L2 prefetch default, and that default against the old one on the box's Xeon.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
 mkdir -p "$out"
 part=${1:-v4}
-if [ "$part" = auto ]; then
+if [ "$part" = handoff ]; then
+timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py tests/test_deepseek_v4_engine.py 2>&1 \
+    | tail -4 | tee "$out/gpu_tests.txt"
+timeout 160 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 7 --concurrency 1,4,8,16 \
+    --rounds 3 --prompts 96 --only "none,dspark K=7,dspark phase-fit,dspark auto,draft_model auto" --step-clock \
+    --phase-k-fit '{"reasoning": 7, "content": 5, "tool_call": 7}' --out "$out/auto.json" 2>&1 | grep -A8 "^median" | tee "$out/auto.txt"
+timeout 120 python3 benchmarks/bench_offload.py --shape v4-flash-experts --cpu-moe --fmt mxfp4 --act-dtype int8 --num-experts-kept 32 \
+    --gpu-budget 24GiB --threads 15 --batches 1,4 --new-tokens 16 --handoff hostfunc,poll --repeats 3 \
+    --out "$out/offload_v4_handoff.json" 2>&1 | grep "^batch\|measured:\|Error" | tee "$out/offload_v4_handoff.txt"
+timeout 130 python3 benchmarks/bench_offload.py --shape qwen3-30b-a3b --gpu-budget 8GiB --threads 15 --batches 1,4 --new-tokens 16 \
+    --handoff hostfunc,poll --repeats 3 --out "$out/offload_qwen3_handoff.json" 2>&1 | grep "^batch\|measured:\|Error" \
+    | tee "$out/offload_qwen3_handoff.txt"
+timeout 70 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4,bf16 --batches 1,4 --threads 15 --no-torch --calls 8 \
+    --layers 3 --num-experts-kept 64 --act-dtype auto,int8 --prefetch 4096:0,4096:16384,4096:32768 --out "$out/cpu_moe_pf.json" 2>&1 \
+    | grep "tandem-\|RAM read" | grep -v "layers x" | tee "$out/cpu_moe_pf.txt"
+elif [ "$part" = auto ]; then
 timeout 500 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 7 --concurrency 1,4,8,16 \
     --rounds 3 --prompts 48 --only "none,dspark K=7,dspark phase-fit,dspark auto,draft_model auto" --stage-clock --step-clock \
     --phase-k-fit '{"reasoning": 7, "content": 5, "tool_call": 7}' --out "$out/auto.json" 2>&1 \
