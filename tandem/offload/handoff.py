@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import weakref
 
 import torch
 
 from tandem.offload import cpu_experts
-
-logger = logging.getLogger("tandem")
 
 HANDOFFS = ("hostfunc", "poll")
 _CU_STREAM_WAIT_VALUE_EQ = 0x1
