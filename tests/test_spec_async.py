@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM, SamplingParams
+from tandem.engine.engine import HELD_STEPS_TIMED
 from tandem.spec.goodput import hand_cost
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -95,7 +96,8 @@ def test_auto_times_the_steps_ahead_and_learns_their_cost(demo_prompts):
     out = llm.generate(ids[:1], GREEDY)
     assert out[0].token_ids == ref[0]
     assert llm.engine.num_async_steps > 20
-    assert counter(llm.engine, "spec_decode_timed_steps") - timed > 20
+    # Steps of a held all-zero choice are timed one in HELD_STEPS_TIMED; the others every one.
+    assert counter(llm.engine, "spec_decode_timed_steps") - timed >= llm.engine.num_async_steps // HELD_STEPS_TIMED
     assert (1, False) in auto.cost.residual  # learned from the steps ahead
 
 
@@ -167,3 +169,33 @@ def test_the_choice_plan_ahead_makes_is_the_one_the_next_propose_drafts_at(tiny_
     drafts = spec.propose([req])
     assert len(asked) == 1 and spec.chosen_k == [("content", 2)]
     assert len(drafts["r"].tokens) == 2  # the phrase repeats: the lookup finds two tokens
+
+
+def test_a_held_k_choice_is_counted_once_per_run_of_repeats(demo_prompts):
+    """auto's held all-zero choice keeps the same K counts object step after step: its repeats are
+    counted in one go (at the next other choice, the stats line, or when the engine runs dry), and
+    the totals are those of counting every step."""
+    from collections import Counter
+
+    llm = LLM(str(DEMO), speculative_config={"method": "dspark", "num_speculative_tokens": 2, **AUTO},
+              async_scheduling=True, **COMMON)
+    eng = llm.engine
+
+    def k0() -> float:
+        return sum(s.value for m in eng.metrics.registry.collect() for s in m.samples
+                   if s.name.endswith("_total") and s.labels.get("k") == "0" and s.labels.get("phase") == "content")
+
+    start = k0()
+    held = Counter({("content", 0): 3})
+    eng.spec.k_counts = held
+    for _ in range(5):
+        eng._count_spec_step()
+    assert k0() - start == 3  # the first step counted, four repeats waiting
+    eng.spec.k_counts = Counter({("content", 0): 2})  # another choice: the repeats are counted first
+    eng._count_spec_step()
+    assert k0() - start == 5 * 3 + 2
+    eng.spec.k_counts = held
+    for _ in range(3):
+        eng._count_spec_step()
+    eng.stats_line()  # the stats line counts what waits
+    assert k0() - start == 5 * 3 + 2 + 3 * 3

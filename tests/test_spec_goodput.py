@@ -179,6 +179,23 @@ def test_eager_steps_are_ragged_and_a_short_draft_saves_time() -> None:
     assert choose_ks(rates, (3,), StepCost(grid)) == [0, 0, 0, 0]  # padded: everyone pays q = 4
 
 
+def test_a_ragged_cost_remembers_what_it_computed() -> None:
+    # modelled() is memoised for ragged costs too (CPU runs ask every step): the memo must give
+    # what the tables give for any mix of depths and drafter depths.
+    import random
+
+    grid = {(b, q): 0.1 * b + 0.3 * q + 0.01 * b * q for b in (1, 4, 16) for q in (1, 2, 4, 5)}
+    draft = {(b, d): 0.05 * b + 0.2 * d for b in (1, 4, 16) for d in (1, 2, 4)}
+    cost = StepCost(grid, draft, buckets=(1, 4, 16), padded=False)
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 16)
+        ks = [rng.choice((0, 1, 2, 4)) for _ in range(n)]
+        drafted = [rng.choice((0, 1, 2, 4)) for _ in range(n)]
+        for args in ((ks, None, True), (ks, drafted, True), (ks, drafted, False)):
+            assert cost.modelled(*args) == pytest.approx(cost._modelled(*args), rel=1e-12)
+
+
 def test_stats_decay_lets_an_estimate_follow_a_change_within_a_few_dozen_verifies() -> None:
     stats = AcceptanceStats(max_k=1, prior_weight=1.0)
     for _ in range(60):

@@ -42,6 +42,8 @@ from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger("tandem")
 
 GiB = 1024**3
+HELD_STEPS_TIMED = 4  # one step in this many of a held K choice refines the step-cost model (`_time_step`)
+MAX_HELD_UNCOUNTED = 64  # a held K choice's repeats are counted at least this often (`_count_spec_step`)
 
 
 class LLMEngine(AheadSteps):
@@ -111,6 +113,11 @@ class LLMEngine(AheadSteps):
         # ran dry): adaptive auto times each step from there, so a step's time is what it adds to
         # the wall clock, whether its host work overlapped the device's (async) or not.
         self._results_at: float | None = None
+        # A K choice repeated unchanged (auto holding an all-zero one: the same counts object step
+        # after step) is counted once per run of repeats (`_count_spec_step`): those are host-bound
+        # steps, where a dozen metric updates a step show. `_k_repeats` steps wait to be counted.
+        self._k_seen: Mapping[tuple[str, int], int] | None = None
+        self._k_repeats = 0
         startup.log_ready(self, num_blocks, block_size)
 
     # -- start-up planning ------------------------------------------------------------------
@@ -355,7 +362,13 @@ class LLMEngine(AheadSteps):
         from the previous step's results counts what the engine does between steps too."""
         now = time.perf_counter()
         self._results_at = now if self.has_unfinished else None
+        if self._results_at is None:
+            self._flush_k_counts()  # the engine ran dry: /metrics and the stats line see every step
         if since is None or self.spec is None or self.spec.auto is None:
+            return
+        if self._k_repeats % HELD_STEPS_TIMED:
+            # A step of a held choice: one in HELD_STEPS_TIMED refines the cost (the step-time EMA
+            # and the predicted / measured metrics are averages: a sample of these steps keeps them)
             return
         seconds = now - since
         prediction = self.spec.observe_step(sched, seconds, drafted)
@@ -401,14 +414,31 @@ class LLMEngine(AheadSteps):
         self._window.count_draft(phase, num_draft, num_accepted, expected)
 
     def _count_spec_step(self) -> None:
-        """The K each request got this step, by phase, and the drafter's forwards (graph or eager)."""
+        """The K each request got this step, by phase, and the drafter's forwards (graph or eager).
+        A held choice's repeats are counted when the run of them ends, at the stats line, when the
+        engine runs dry, or every MAX_HELD_UNCOUNTED steps (`_flush_k_counts`)."""
         assert self.spec is not None
-        for (phase, k), n in self.spec.k_counts.items():
-            self.metrics.count_k(phase, k, n)
-            self._window.count_k(phase, k, n)
+        counts = self.spec.k_counts
+        if counts is self._k_seen and self._k_repeats < MAX_HELD_UNCOUNTED:
+            self._k_repeats += 1
+        else:
+            self._flush_k_counts()
+            self._k_seen = counts
+            self._count_k(counts, 1)
         for mode, n in self.spec.take_drafter_forwards().items():
             if n:
                 self.metrics.child(self.metrics.drafter_steps, model_name=self.model_name, mode=mode).inc(n)
+
+    def _flush_k_counts(self) -> None:
+        """Count the repeats of the held K choice that `_count_spec_step` deferred."""
+        if self._k_repeats and self._k_seen is not None:
+            self._count_k(self._k_seen, self._k_repeats)
+        self._k_repeats = 0
+
+    def _count_k(self, counts: Mapping[tuple[str, int], int], steps: int) -> None:
+        for (phase, k), n in counts.items():
+            self.metrics.count_k(phase, k, n * steps)
+            self._window.count_k(phase, k, n * steps)
 
     def _append_tokens(self, req: Request, tokens: list[int], lps: list[TokenLogprobs] | None,
                        now: float) -> RequestOutput:
@@ -533,6 +563,7 @@ class LLMEngine(AheadSteps):
 
     def stats_line(self) -> str:
         """The periodic stats line over the window since the last one; starts a new window."""
+        self._flush_k_counts()
         q, h = self.kv.prefix_queries, self.kv.prefix_hits
         line = self._window.line(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage, q, h)
         self._window = StatsWindow(time.monotonic(), q, h)

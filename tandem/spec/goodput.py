@@ -244,8 +244,9 @@ class StepCost:
         self._draft_by_depth: dict[int, list[tuple[float, float]]] = {}
         for (b, d), t in sorted(self.draft.items()):
             self._draft_by_depth.setdefault(d, []).append((b, t))
-        # modelled() by (batch, q, the drafter's depth, its requests' bucket): the tables never
-        # change, and the controller asks for the same few shapes every step (padded, no hook).
+        # modelled() by (batch, q, the drafter's depth, its requests' bucket), or for a ragged cost
+        # (-batch, the query tokens, the drafter's depth, its requests): the tables never change, and
+        # the controller asks for the same few shapes every step (without a hook).
         self._memo: dict[tuple[int, int, int, int], float] = {}
         self.residual: dict[tuple[int, bool], float] = {}  # (bucket, drafter ran) -> learned seconds
         self.observed: dict[tuple[int, bool], int] = {}  # steps the residual learned from
@@ -265,11 +266,15 @@ class StepCost:
     def modelled(self, ks: Sequence[int], drafted: Sequence[int] | None = None, include_draft: bool = True) -> float:
         """The tables' seconds for a step verifying ks, the drafter having run for `drafted` (its
         requests' depths; default ks), without the learned residual."""
-        if not self.padded or self.extra is not None:
+        if self.extra is not None:
             return self._modelled(ks, drafted, include_draft)
         drafted = ks if drafted is None else drafted
         depth = max(drafted, default=0) if include_draft else 0
-        key = (len(ks), max(ks, default=0), depth, self.bucket(len(drafted) - drafted.count(0)) if depth else 0)
+        drafting = len(drafted) - drafted.count(0) if depth else 0
+        if self.padded:
+            key = (len(ks), max(ks, default=0), depth, self.bucket(drafting) if depth else 0)
+        else:  # ragged: the verify depends on the mean query length, the drafter on its request count
+            key = (-len(ks), sum(ks), depth, drafting)
         t = self._memo.get(key)
         if t is None:
             t = self._memo[key] = self._modelled(ks, drafted, include_draft)
