@@ -1,8 +1,9 @@
 """What a speculative engine that drafts nothing costs the host, on the CPU: a tiny dense target
 (one layer, hidden 64, written by the tests' tiny_models; its steps are host-bound, as the demo
 model's are on the H100 box at 4-16 requests) against the same engine with a draft model of other
-random weights under `adaptive: "auto"`. The draft is never accepted, so auto keeps K = 0 (probes aside) and both engines
-run the same number of steps: the difference in tok/s is the speculative stage's host time.
+random weights under `adaptive: "auto"`. The draft is never accepted, so auto keeps K = 0 (probes
+aside) and both engines run the same number of steps: the difference in tok/s is the speculative
+stage's host time.
 
     python benchmarks/bench_k0_host.py --concurrency 4,16 --rounds 6
     python benchmarks/bench_k0_host.py --ab-held   # also the engine with held steps counted and timed every step
