@@ -20,34 +20,16 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tandem.engine.engine as engine_module  # noqa: E402
-from tandem import LLM, SamplingParams  # noqa: E402
+from bench_auto import run_level  # noqa: E402
+from tandem import LLM  # noqa: E402
 from tiny_models import save_tiny_model  # noqa: E402
-
-
-def run_level(llm: LLM, prompts: list[list[int]], conc: int, max_tokens: int) -> float:
-    """Keep `conc` requests in flight until every prompt is done; output tok/s."""
-    eng = llm.engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    queue, live, tokens = list(enumerate(prompts)), set(), 0
-    start = time.perf_counter()
-    while queue or live:
-        while queue and len(live) < conc:
-            i, ids = queue.pop(0)
-            rid = f"r{i}-{time.monotonic_ns()}"
-            eng.add_request(rid, ids, params)
-            live.add(rid)
-        for out in eng.step():
-            tokens += len(out.new_token_ids)
-            if out.finished:
-                live.discard(out.request_id)
-    return tokens / (time.perf_counter() - start)
 
 
 def held_mode(every_step: bool) -> None:
@@ -85,7 +67,8 @@ def main() -> None:
             order = configs if r % 2 else configs[::-1]
             for name, every_step in order:
                 held_mode(every_step)
-                results[name].append(run_level(llms[name.split(",")[0]], prompts, conc, args.max_tokens))
+                tokens, seconds = run_level(llms[name.split(",")[0]], prompts, conc, args.max_tokens)
+                results[name].append(tokens / seconds)
         held_mode(False)
         base = statistics.median(results["none"][1:])
         for name, values in results.items():
