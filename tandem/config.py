@@ -344,10 +344,10 @@ class OffloadConfig:
         if self.cpu_moe_act_dtype not in CPU_MOE_ACT_DTYPES:
             raise ValueError(f"--cpu-moe-act-dtype must be one of {', '.join(CPU_MOE_ACT_DTYPES)}, "
                              f"got {self.cpu_moe_act_dtype!r}")
-        # cpu_experts.INT8_ACT_FORMATS; "auto" is checked once the placement resolves it
         if self.cpu_moe_handoff not in CPU_MOE_HANDOFFS:
             raise ValueError(f"--cpu-moe-handoff must be one of {', '.join(CPU_MOE_HANDOFFS)}, "
                              f"got {self.cpu_moe_handoff!r}")
+        # cpu_experts.INT8_ACT_FORMATS; "auto" is checked once the placement resolves it
         if self.cpu_moe_act_dtype == "int8" and self.cpu_moe_dtype not in ("auto", "int4", "mxfp4"):
             raise ValueError(f"--cpu-moe-act-dtype int8 covers int4 and mxfp4 experts, not --cpu-moe-dtype "
                              f"{self.cpu_moe_dtype}: use --cpu-moe-dtype int4 or mxfp4, or --cpu-moe-act-dtype auto")

@@ -128,35 +128,35 @@ class CpuMoEExecutor:
             return lambda: out
         if not torch.cuda.is_current_stream_capturing():
             stage.live_rows.fill_(hidden.shape[0])
-        stream = self._stage_inputs(hidden, topk_ids, topk_weights)
-        self.doorbell.signal(stream, self.number)
+        stream = self._start(hidden, topk_ids, topk_weights)
+        return lambda: self._finish(stream, hidden)
 
-        def collect() -> torch.Tensor:
-            self.doorbell.wait(stream, self.number)
-            return stage.out[: hidden.shape[0]].to(hidden.device, non_blocking=True)
+    def _queue(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self._finish(self._start(hidden, topk_ids, topk_weights), hidden)
 
-        return collect
-
-    def _stage_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-                      ) -> torch.cuda.Stream:
-        """The D2H copies of a call's inputs and row count into the staging; returns the stream."""
+    def _start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.cuda.Stream:
+        """Queues the D2H copies of a call's inputs and row count into the staging, then the hand-off:
+        the doorbell's request, or the host node (the stream moves on once the call is done).
+        Returns the stream."""
         stage, n = self.staging, hidden.shape[0]
-        assert stage is not None
+        assert stage is not None and self.job is not None
         stage.hidden[:n].copy_(hidden, non_blocking=True)
         stage.ids[:n].copy_(topk_ids, non_blocking=True)
         stage.weights[:n].copy_(topk_weights, non_blocking=True)
         stage.count.copy_(self.rows, non_blocking=True)
-        return torch.cuda.current_stream(hidden.device)
-
-    def _queue(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        stage = self.staging
-        assert stage is not None and self.job is not None
-        stream = self._stage_inputs(hidden, topk_ids, topk_weights)
+        stream = torch.cuda.current_stream(hidden.device)
         if self.doorbell is not None:
-            self.doorbell.ring(stream, self.number)
+            self.doorbell.signal(stream, self.number)
         else:
             launch_host_func(stream, self.job.fn_ptr, self.job.arg_ptr)
-        return stage.out[: hidden.shape[0]].to(hidden.device, non_blocking=True)
+        return stream
+
+    def _finish(self, stream: torch.cuda.Stream, hidden: torch.Tensor) -> torch.Tensor:
+        """Queues the doorbell's wait (if any) and the copy of the output back, for `hidden`'s rows."""
+        if self.doorbell is not None:
+            self.doorbell.wait(stream, self.number)
+        assert self.staging is not None
+        return self.staging.out[: hidden.shape[0]].to(hidden.device, non_blocking=True)
 
 
 class OffloadedExperts:

@@ -58,8 +58,8 @@ def _close(lib: ctypes.CDLL, handle: int, *keep: object) -> None:
 
 class Doorbell:
     """The polling thread and its two pinned flags (module doc). `add(job)` registers a layer's
-    HostJob and returns its number; `ring(stream, number)` queues the request, the wait and the
-    clear on a stream. A CPU run can drive it by hand (`request`, `done`: tests)."""
+    HostJob and returns its number; `signal(stream, number)` queues the request on a stream and
+    `wait(stream, number)` the wait and the clear. A CPU run can drive it by hand (`request`, `done`: tests)."""
 
     def __init__(self) -> None:
         self._lib = cpu_experts._lib()
@@ -108,11 +108,6 @@ class Doorbell:
                    "cuMemHostGetDevicePointer")
             self._device_flags = address.value
         return self._device_flags
-
-    def ring(self, stream: torch.cuda.Stream, number: int) -> None:
-        """Queues on `stream`: request job `number`, wait until it is done, clear the done flag."""
-        self.signal(stream, number)
-        self.wait(stream, number)
 
     def signal(self, stream: torch.cuda.Stream, number: int) -> None:
         """Queues on `stream` the request for job `number` (the thread starts it once the stream
