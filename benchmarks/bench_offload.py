@@ -246,8 +246,8 @@ def main() -> None:
                 got = sorted(runs[(row["batch"], handoff)], key=lambda g: g["step_ms"])
                 row["by_handoff"][handoff] = {**got[(len(got) - 1) // 2], "step_ms_runs": [g["step_ms"] for g in got]}
                 if "transfer_only_ms" in got[0]:
-                    only = sorted(g["transfer_only_ms"] for g in got)
-                    row["by_handoff"][handoff]["transfer_only_ms"] = only[(len(only) - 1) // 2]
+                    row["by_handoff"][handoff]["transfer_only_ms"] = statistics.median_low(
+                        g["transfer_only_ms"] for g in got)
         for i in sink.layers:  # the GPU side alone, in the same graphs
             model.moe_blocks()[i].set_executor(ZeroExperts())
         engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
