@@ -283,7 +283,8 @@ def test_acceptance_is_conditioned_on_whether_the_last_draft_was_accepted_whole(
 def test_a_padded_batch_is_searched_once_per_refresh_though_its_requests_contexts_flip(monkeypatch):
     # Eight requests whose drafts are accepted whole about half the time: one context or
     # another flips nearly every step. Under a padded cost the batch's depth stands while the
-    # batch and its phases do, so a search runs every REFRESH_STEPS steps, not every step; a
+    # batch and its phases do, so a search runs every REFRESH_STEPS steps, not every step, and
+    # less often once the searches keep finding the same depth (up to HOLD_MAX steps); a
     # new request or a phase switch searches at once.
     from tandem.spec import auto as auto_module
 
@@ -303,11 +304,66 @@ def test_a_padded_batch_is_searched_once_per_refresh_though_its_requests_context
         assert set(ks) <= {4}  # the padded optimum (cheap verify tokens, good acceptance), probes aside
         for rid, k in zip(ids, ks):
             auto.observe(rid, k, verify(rng, [0.9] * 4, k))
-    assert 80 // auto_module.REFRESH_STEPS <= len(searches) <= 80 // auto_module.REFRESH_STEPS + 2, len(searches)
+    # 8 -> 16 -> 32 -> 32 .. steps between searches (the 200 steps before got there already)
+    assert 80 // auto_module.HOLD_MAX <= len(searches) <= 80 // auto_module.HOLD_MAX + 1, len(searches)
     searches.clear()
     auto.choose(ids, ["reasoning"] * 7 + ["content"], [99] * 8)  # a phase switch
     auto.choose([*ids, "r8"], ["reasoning"] * 7 + ["content"] * 2, [99] * 9)  # a new request
     assert len(searches) == 2
+
+
+def test_a_choice_searches_keep_finding_stands_longer_and_a_phase_switch_searches_at_once(monkeypatch):
+    # One request whose drafts are accepted whole about half the time: its two contexts (after a
+    # whole accept, after a rejection) each keep a choice, searched every REFRESH_STEPS steps at
+    # first; a search that finds the same K again, on enough evidence, lets it stand twice as long
+    # (up to HOLD_MAX steps), so a steady request is searched a few times in 160 steps, not 40.
+    from tandem.spec import auto as auto_module
+
+    searches = []
+    real = auto_module.choose_ks
+    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
+    auto, rng = AutoK(4, (1, 2, 3, 4), GPU1), random.Random(0)
+    for _ in range(200):
+        k = auto.choose(["a"], ["reasoning"], [99])[0]
+        auto.observe("a", k, verify(rng, [0.85] * 4, k) if k else 0)
+    searches.clear()
+    for _ in range(160):
+        ks = auto.choose(["a"], ["reasoning"], [99])
+        assert ks == [4]  # cheap verify tokens, good acceptance
+        auto.observe("a", 4, verify(rng, [0.85] * 4, 4))
+    assert 1 <= len(searches) <= 2 * (160 // auto_module.HOLD_MAX + 1), len(searches)
+    searches.clear()
+    auto.choose(["a"], ["content"], [99])  # a phase switch: no choice for it yet
+    assert len(searches) == 1
+
+
+def test_the_same_choice_again_keeps_the_recorded_k_counts():
+    # The engine takes an unchanged k_counts object for a held choice (counted once per run of
+    # repeats, timed one step in HELD_STEPS_TIMED): the same requests, phases and ks again keep
+    # it; anything else records a new one.
+    from tandem.core import Request
+    from tandem.spec.controller import SpecDecoder
+    from tandem.tokenizer import Tokenizer
+
+    class Idle:  # a proposer that is never asked for drafts here
+        def land_ahead(self, *args) -> None:
+            pass
+
+        def remove(self, request_id: str) -> None:
+            pass
+
+    config = SpecConfig.parse({"method": "dspark", "num_speculative_tokens": 2, **AUTO})
+    spec = SpecDecoder(config, Tokenizer.from_dir(str(DEMO)), 4096, Idle())
+    reqs = [Request(f"q{i}", [1, 2, 3], GREEDY) for i in range(2)]
+    spec.commit_ahead(reqs, [2, 2])
+    first = spec.k_counts
+    assert first == {("content", 2): 2}
+    spec.commit_ahead(reqs, [2, 2])
+    assert spec.k_counts is first
+    spec.commit_ahead(reqs, [2, 1])
+    assert spec.k_counts is not first and spec.k_counts == {("content", 2): 1, ("content", 1): 1}
+    spec.commit_ahead(reqs[:1], [2])
+    assert spec.k_counts == {("content", 2): 1}
 
 
 def test_requests_that_reuse_ids_of_a_finished_batch_are_searched_afresh(monkeypatch):

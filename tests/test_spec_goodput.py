@@ -207,6 +207,37 @@ def test_stats_decay_lets_an_estimate_follow_a_change_within_a_few_dozen_verifie
     assert stats.phase_rates("content")[0] > 0.55  # the pooled prior forgets slowly
 
 
+def test_the_histogram_counts_give_the_per_position_rates_counted_one_by_one() -> None:
+    # Reference: every verify ages every count by one decay and adds 1 to each position it tried
+    # (accepted up to m, then the rejection at m + 1).
+    max_k, decay, weight = 5, 0.97, 4.0
+    stats = AcceptanceStats(max_k, decay=decay, prior_weight=weight, phase_decay=decay)
+    rng = random.Random(3)
+    accepted, tried = [0.0] * max_k, [0.0] * max_k
+    for _ in range(3000):  # past a renormalisation of the scaled counts (1e12 at ~900 verifies)
+        k = rng.randint(1, max_k)
+        m = min(k, int(rng.random() ** 0.5 * (k + 1)))
+        stats.observe("a", "content", k, m)
+        accepted, tried = [a * decay for a in accepted], [t * decay for t in tried]
+        for i in range(min(m + 1, k)):
+            tried[i] += 1.0
+            accepted[i] += 1.0 if i < m else 0.0
+    prior = [0.9, 0.8, 0.7, 0.6, 0.5]
+    want = [(a + weight * p) / (t + weight) for a, t, p in zip(accepted, tried, prior)]
+    assert stats.rates("a", "content", prior) == pytest.approx(want, rel=1e-9)
+    assert [stats.request_tries("a", "content", i + 1) for i in range(max_k)] == pytest.approx(tried, rel=1e-9)
+    assert [stats.phase_tries("content", i + 1) for i in range(max_k)] == pytest.approx(tried, rel=1e-9)
+    chained, running = [], 0.5  # the phase prior: each position shrunk to the one before it
+    for a, t in zip(accepted, tried):
+        running = (a + running) / (t + 1.0)
+        chained.append(running)
+    assert stats.phase_rates("content") == pytest.approx(chained, rel=1e-9)
+    # A request never seen in a phase has its prior; a position never tried has the prior's value.
+    assert stats.rates("b", "content", prior) == prior
+    stats.observe("c", "reasoning", 2, 2)
+    assert stats.rates("c", "reasoning", prior)[3:] == pytest.approx(prior[3:])
+
+
 def test_bad_observations_are_refused() -> None:
     with pytest.raises(ValueError, match="accepted 3 of 2"):
         AcceptanceStats(4).observe("x", "content", 2, 3)

@@ -366,7 +366,7 @@ class LLMEngine(AheadSteps):
             self._flush_k_counts()  # the engine ran dry: /metrics and the stats line see every step
         if since is None or self.spec is None or self.spec.auto is None:
             return
-        if self._k_repeats % HELD_STEPS_TIMED:
+        if self._k_repeats % HELD_STEPS_TIMED and not self.spec.drafter_prefilled:
             # A step of a held choice: one in HELD_STEPS_TIMED refines the cost (the step-time EMA
             # and the predicted / measured metrics are averages: a sample of these steps keeps them)
             return

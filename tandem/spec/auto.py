@@ -6,8 +6,9 @@ One step, as `SpecDecoder` drives it:
 1. `choose(ids, phases, limits)`: each request's K from its acceptance estimate (per position, per
    request, phase and context — whether its last draft was accepted whole — shrunk to the prior
    of that phase and context) and the step cost; the drafter then drafts to the batch's deepest K.
-   A choice is reused for up to `REFRESH_STEPS` steps: per request and context, and under a
-   padded cost (CUDA graphs) for the batch as a whole while its requests and phases stay.
+   A choice is reused for `REFRESH_STEPS` steps: per request and context, and under a padded
+   cost (CUDA graphs) for the batch as a whole while its requests and phases stay; each search
+   that finds the same depth again lets it stand twice as long, up to `HOLD_MAX` steps.
 2. `refine(ids, confidences)`, for a drafter with a confidence head (DSpark): the drafts are cut
    where the drafter's own confidence, calibrated online against what verifies accepted, says the
    remaining tokens do not pay for their verify (the drafter's time is spent by then, so only the
@@ -48,6 +49,7 @@ MIN_EVIDENCE = 8.0  # verifies of a phase that tried a position before K may sto
 RUN = "+run"  # the statistics' key suffix of a request whose last draft was accepted whole
 REFRESH_STEPS = 8  # steps a request's choice in a context is reused before the batch is searched again
 ZERO_HOLD_MAX = 64  # the longest an all-zero choice re-found for the same batch is held (see _zero_hold)
+HOLD_MAX = 32  # the longest a choice that searches keep re-finding stands (see _search_batch)
 MIX_MAX_BATCH = 2  # the largest batch whose padded choice is kept per mix of contexts (see _run_mix)
 CONFIDENCE_BINS = 10
 CONFIDENCE_WEIGHT = 8.0  # pseudo-observations of the raw confidence in each bin's calibration
@@ -137,8 +139,9 @@ class AutoK:
         self._step = 0
         self._can_cut: dict[tuple[int, int, int], tuple[int, bool]] = {}  # see cut_can_pay
         self._drafts_now: dict[tuple[str, int], tuple[int, bool]] = {}  # see drafts_now
-        # id -> key -> (K, rates, step) of the last search that saw the request in that context
-        self._choice: dict[str, dict[str, tuple[int, list[float], int]]] = {}
+        # id -> key -> (K, rates, step, steps it stands) of the last search that saw the request
+        # in that context
+        self._choice: dict[str, dict[str, tuple[int, list[float], int, int]]] = {}
         # An all-zero choice repeats unchanged for `_hold` more steps of the same requests in the
         # same phases (`repeat_zero`): no probe or search falls due before then. The steps it
         # repeated are added to those requests' same-K counts at the next `choose`.
@@ -152,6 +155,9 @@ class AutoK:
         self._zero_refresh = REFRESH_STEPS
         # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step).
         self._batch: tuple[tuple[str, ...], tuple[str, ...], int, list[int], int] | None = None
+        # Steps it stands: REFRESH_STEPS, doubled (up to HOLD_MAX) each time a search of the
+        # same batch finds the same ks again (`_search_batch`).
+        self._batch_refresh = REFRESH_STEPS
         # The next captured depth above each K (None above the deepest): what a probe tries.
         self._deeper = {k: next((d for d in self.depths if d > k), None) for k in range(max_k + 1)}
 
@@ -172,14 +178,14 @@ class AutoK:
         self._step += 1
         self._apply_held()
         cached = [self._choice.get(rid, _NOTHING).get(key) for rid, key in zip(ids, keys)]
-        if all(c is not None and c[0] <= limit and self._step - c[2] < REFRESH_STEPS
+        if all(c is not None and c[0] <= limit and self._step - c[2] < c[3]
                for c, limit in zip(cached, limits)):
             ks, rates = [c[0] for c in cached], [c[1] for c in cached]
             searched = [c[2] for c in cached]
         elif (batch := self._batch_choice(ids, phases, keys, limits)) is not None:
             # A padded step charges the batch's deepest K to every request, so the choice is the
             # batch's depth: it stands while the batch and its phases do (and for one or two
-            # requests their contexts: `_run_mix`), for REFRESH_STEPS steps, though single
+            # requests their contexts: `_run_mix`), for REFRESH_STEPS steps or more (`_search_batch`), though single
             # requests' contexts flip (one or another does nearly every step at 4 and more, and a
             # search every step cost ~0.1 ms of host time at 16 on the H100 box's Xeon). A draft
             # is predicted with the request's last searched rates in its context (the phase's
@@ -202,9 +208,12 @@ class AutoK:
                 choices = self._choice.get(rid)
                 if choices is None:
                     choices = self._choice[rid] = {}
-                choices[key] = (k, r, self._step)
+                old = choices.get(key)  # found again on enough evidence: it stands longer (_search_batch)
+                life = (min(2 * old[3], HOLD_MAX) if old is not None and old[0] == k
+                        and self.stats.request_tries(rid, key, 1) >= MIN_EVIDENCE else REFRESH_STEPS)
+                choices[key] = (k, r, self._step, life)
             if self.cost.uniform_is_optimal:
-                self._batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step)
+                self._search_batch(ids, phases, keys, ks)
             searched = [self._step] * len(ids)
         # Requests at K = 0 probe independently, each one making its step a drafting step (with
         # async scheduling a step that no longer goes ahead): each spaces its probes by their
@@ -242,14 +251,29 @@ class AutoK:
             self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
         return ks
 
+    def _search_batch(self, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str], ks: Sequence[int]) -> None:
+        """Keep a search's ks for its batch (under a padded cost). A search that finds the ks the
+        batch already had lets them stand twice as long (up to HOLD_MAX steps), as a request's
+        choice in a context does, once the estimates rest on MIN_EVIDENCE verifies (of the phase
+        here, of the request there): then they move by a few percent in REFRESH_STEPS steps, and
+        a search every REFRESH_STEPS steps was a fifth of what auto cost the host per step at 4
+        requests (a third at 1: two contexts, each searched). A new request, a phase switch or a
+        new depth searches at once, and the refresh starts again."""
+        batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step)
+        old = self._batch
+        same = (old is not None and old[:4] == batch[:4]
+                and all(self.stats.phase_tries(key, 1) >= MIN_EVIDENCE for key in set(keys)))
+        self._batch_refresh = min(2 * self._batch_refresh, HOLD_MAX) if same else REFRESH_STEPS
+        self._batch = batch
+
     def _batch_choice(self, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str],
                       limits: Sequence[int]) -> list[int] | None:
         """The last search's ks when it was made for this batch (the same requests in the same
-        phases with the same mix of contexts, under a padded cost) less than REFRESH_STEPS steps
-        ago and every K is still within its request's limit; else None (the caller searches). A
-        copy: probes change it."""
+        phases with the same mix of contexts, under a padded cost) less than `_batch_refresh`
+        steps ago and every K is still within its request's limit; else None (the caller
+        searches). A copy: probes change it."""
         batch = self._batch
-        if (batch is None or self._step - batch[4] >= REFRESH_STEPS or batch[0] != tuple(ids)
+        if (batch is None or self._step - batch[4] >= self._batch_refresh or batch[0] != tuple(ids)
                 or batch[1] != tuple(phases) or batch[2] != _run_mix(keys)
                 or any(k > limit for k, limit in zip(batch[3], limits))):
             return None

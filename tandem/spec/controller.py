@@ -111,6 +111,9 @@ class SpecDecoder:
         self.drafter_forwards: dict[str, int] = {}  # by mode, since the last take_drafter_forwards
         self.chosen_k: list[tuple[Phase, int]] = []  # (phase, K) of each request the last propose saw
         self.k_counts: Counter[tuple[Phase, int]] = Counter()  # chosen_k counted
+        # (ids, phases, ks) of the last choice recorded: the same again keeps chosen_k and k_counts,
+        # the very objects, which the engine takes for a held choice (counted once per run of them)
+        self._recorded: tuple[list[str], list[Phase], list[int]] = ([], [], [])
         self.auto: AutoK | None = None  # adaptive auto: built by start_auto
         self._drafted: dict[str, int] = {}  # the depth each request was drafted at by the last propose
         # plan_ahead's choice when it drafted for some request: the next propose takes it (made
@@ -330,7 +333,13 @@ class SpecDecoder:
 
     def _record_k(self, tracked: Sequence[_Tracked], ids: Sequence[str], phases: Sequence[Phase],
                   ks: Sequence[int]) -> None:
-        """The step's K per request: `chosen_k` for the metrics, and the log line when it changed."""
+        """The step's K per request: `chosen_k` for the metrics, and the log line when it changed.
+        The choice of the step before, again (the same requests, phases and ks: DSpark at its
+        deepest depth, most steps), keeps the same objects."""
+        recorded = (list(ids), list(phases), list(ks))
+        if recorded == self._recorded:
+            return
+        self._recorded = recorded
         self.chosen_k = []
         for tr, rid, phase, k in zip(tracked, ids, phases, ks):
             if k != tr.k and tr.k is not None:
@@ -388,6 +397,12 @@ class SpecDecoder:
         """auto: whether the controller would draft for this request in its phase now."""
         assert self.auto is not None
         return self.auto.drafts_now(self._track(req).tracker.phase, batch)
+
+    @property
+    def drafter_prefilled(self) -> bool:
+        """Whether the drafter ran prompt work since the last `observe_step`: that call must come
+        (it tells a draft model's catch-up from a plain step)."""
+        return self._drafter_prefilled
 
     def observe_step(self, sched: SchedulerOutput, seconds: float, drafted: Sequence[int] | None = None
                      ) -> StepPrediction | None:

@@ -63,52 +63,53 @@ MIN_MODELLED_SHARE = 0.25
 MIN_PLAIN_STEPS = 32
 
 
-@dataclass
 class _Counts:
-    """Decayed accept and try counts per draft position (index 0: position 1).
+    """Decayed verify outcomes of one request or phase, as two histograms: `reached[j]`, the
+    weight of verifies whose evidence reached draft position j + 1 (they tried positions 1 .. j + 1),
+    and `accepted[j]`, of verifies that accepted exactly j + 1 drafts. Position i + 1 was tried by
+    sum(reached[i:]) and accepted by sum(accepted[i:]) of them: a verify adds to one entry of
+    each (every verify of every request lands here, 16 a step at concurrency 16), and the sums are
+    made when an estimate is read, which a search does every few steps.
 
-    Stored scaled: the true decayed counts are `accepted[i] / scale`, `tried[i] / scale`. Each
+    Stored scaled: the true decayed weights are `reached[j] / scale`, `accepted[j] / scale`. Each
     observation divides the decay into `scale` and adds `scale`, which ages every older count by
-    one decay without touching it (an observation costs its positions, not the whole list)."""
+    one decay without touching it."""
 
-    accepted: list[float] = field(default_factory=list)
-    tried: list[float] = field(default_factory=list)
-    scale: float = 1.0
+    __slots__ = ("accepted", "reached", "scale")
+
+    def __init__(self, size: int) -> None:
+        self.accepted = [0.0] * size
+        self.reached = [0.0] * size
+        self.scale = 1.0
 
     def add(self, num_draft: int, num_accepted: int, decay: float) -> None:
         self.scale /= decay
         if self.scale > 1e12:  # renormalise long before a float runs out
             self.accepted = [a / self.scale for a in self.accepted]
-            self.tried = [t / self.scale for t in self.tried]
+            self.reached = [t / self.scale for t in self.reached]
             self.scale = 1.0
-        w = self.scale
         reached = min(num_accepted + 1, num_draft)  # positions the verify tells something about
-        accepted, tried = self.accepted, self.tried
-        if len(tried) < reached:
-            accepted.extend([0.0] * (reached - len(tried)))
-            tried.extend([0.0] * (reached - len(tried)))
-        # Every verify of the controller's hot path lands here (16 a step at concurrency 16):
-        # a loop per position, not a helper per position.
-        for i in range(reached):
-            tried[i] += w
-        for i in range(min(num_accepted, reached)):
-            accepted[i] += w
+        if reached > len(self.reached):  # deeper than the size it was made for
+            grow = [0.0] * (reached - len(self.reached))
+            self.accepted += grow
+            self.reached += grow
+        self.reached[reached - 1] += self.scale
+        if num_accepted:
+            self.accepted[num_accepted - 1] += self.scale
+
+    def suffixes(self) -> tuple[list[float], list[float]]:
+        """(accepted, tried) per position, scaled: the histograms' suffix sums."""
+        return (list(accumulate(reversed(self.accepted)))[::-1], list(accumulate(reversed(self.reached)))[::-1])
 
     def tries(self, i: int) -> float:
-        return self.tried[i] / self.scale if i < len(self.tried) else 0.0
-
-    def rate(self, i: int, prior: float, weight: float) -> float:
-        """The conditional acceptance of position i+1, shrunk towards `prior` by `weight`."""
-        a = self.accepted[i] if i < len(self.accepted) else 0.0
-        t = self.tried[i] if i < len(self.tried) else 0.0
-        ws = weight * self.scale
-        return (a + ws * prior) / (t + ws)
+        return sum(self.reached[i:]) / self.scale
 
     def rates(self, prior: Sequence[float], weight: float) -> list[float]:
-        """`rate` at every position of `prior` (one list, the controller's per-request cost)."""
+        """The conditional acceptance of each position of `prior`, shrunk towards it by `weight`."""
         ws = weight * self.scale
-        out = [(a + ws * p) / (t + ws) for a, t, p in zip(self.accepted, self.tried, prior)]
-        out += [(ws * p) / ws for p in prior[len(out):]]  # untried positions, as `rate` computes them
+        accepted, tried = self.suffixes()
+        out = [(a + ws * p) / (t + ws) for a, t, p in zip(accepted, tried, prior)]
+        out += [(ws * p) / ws for p in prior[len(out):]]  # positions past the histograms: never tried
         return out
 
 
@@ -133,14 +134,14 @@ class AcceptanceStats:
         # of every request lands here)
         counts = self._phase.get(phase)
         if counts is None:
-            counts = self._phase[phase] = _Counts()
+            counts = self._phase[phase] = _Counts(self.max_k)
         counts.add(num_draft, num_accepted, self.phase_decay)
         per_request = self._request.get(request_id)
         if per_request is None:
             per_request = self._request[request_id] = {}
         counts = per_request.get(phase)
         if counts is None:
-            counts = per_request[phase] = _Counts()
+            counts = per_request[phase] = _Counts(self.max_k)
         counts.add(num_draft, num_accepted, self.decay)
 
     def remove(self, request_id: str) -> None:
@@ -153,16 +154,23 @@ class AcceptanceStats:
         counts = self._phase.get(phase)
         if counts is None:
             return [DEFAULT_ACCEPT] * self.max_k
-        rates = []
+        accepted, tried = counts.suffixes()
+        rates, prior = [], DEFAULT_ACCEPT
         for i in range(self.max_k):
-            prior = rates[-1] if rates else DEFAULT_ACCEPT
-            rates.append(counts.rate(i, prior, 1.0))
+            a, t = (accepted[i], tried[i]) if i < len(tried) else (0.0, 0.0)
+            prior = (a + counts.scale * prior) / (t + counts.scale)
+            rates.append(prior)
         return rates
 
     def phase_tries(self, phase: str, position: int) -> float:
         """The decayed number of verifies of this phase that tried draft position `position`
         (1-based): how much evidence its rate rests on."""
         counts = self._phase.get(phase)
+        return counts.tries(position - 1) if counts is not None else 0.0
+
+    def request_tries(self, request_id: str, phase: str, position: int) -> float:
+        """`phase_tries` of one request's own verifies."""
+        counts = self._request.get(request_id, {}).get(phase)
         return counts.tries(position - 1) if counts is not None else 0.0
 
     def rates(self, request_id: str, phase: str, prior: Sequence[float] | None = None) -> list[float]:
