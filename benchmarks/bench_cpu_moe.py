@@ -167,6 +167,8 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
         # drift weighs on all of them alike.
         settings = [(isa, pf, act) for isa in args.isas for pf in args.prefetch for act in acts]
         times: dict[tuple, list[float]] = {st: [] for st in settings}
+        profiles: dict[tuple, list[ce.CallProfile]] = {st: [] for st in settings}
+        ce.set_profile(args.profile)
         at = 0
         for c in range(args.warmup + args.calls):
             for isa, pf, act in settings:
@@ -176,14 +178,31 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
                     ce.set_prefetch(*pf)
                 stage_ids.copy_(ids[c]), stage_w.copy_(w[c])  # untimed, as the D2H copy would be
                 times[(isa, pf, act)].append(seconds(jobs[act][at % n_layers].run))
+                if args.profile:
+                    profiles[(isa, pf, act)].append(ce.read_profile())
                 at += 1
+        ce.set_profile(False)
         for (isa, pf, act), ts in times.items():
             impl = (f"tandem-{fmt}" + ("" if isa is None or len(args.isas) == 1 else f" {isa}")
                     + ("" if pf is None else f" pf{pf[0]}/{pf[1]}") + ("" if act == "auto" else f" {act}-act"))
             median = statistics.median(ts[args.warmup:])
             rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth)
-                        | {"act_dtype": act})
+                        | {"act_dtype": act} | profile_summary(impl, batch, profiles[(isa, pf, act)][args.warmup:]))
     return rows
+
+
+def profile_summary(impl: str, batch: int, profiles: list[ce.CallProfile]) -> dict:
+    """--profile: per part of a call, the mean over calls of the threads' mean and max (ms), printed
+    as one line; {} without a profile."""
+    if not profiles:
+        return {}
+    parts = {part: [statistics.mean(p.per_call_ms(part)[j] for p in profiles) for j in (0, 1)]
+             for part in ce.PROFILE_PARTS}
+    call_ms = 1e3 * statistics.mean(p.call_seconds / max(p.calls, 1) for p in profiles)
+    route_ms = 1e3 * statistics.mean(p.route_seconds / max(p.calls, 1) for p in profiles)
+    print(f"  profile {impl} batch {batch}: call {call_ms:.3f} ms, route {route_ms:.3f}; per part mean / max "
+          "over threads: " + ", ".join(f"{part} {m:.3f}/{x:.3f}" for part, (m, x) in parts.items()))
+    return {"profile_ms": parts, "call_ms": call_ms, "route_ms": route_ms}
 
 
 def torch_bf16_loop(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -296,6 +315,9 @@ def main() -> None:
                         "them, interleaved per call")
     p.add_argument("--prefetch", default=None, metavar="L1:L2,...",
                    help="A/B the kernels' software-prefetch distances in bytes (0: off), interleaved per call")
+    p.add_argument("--profile", action="store_true",
+                   help="time each part of the kernel's calls per thread (wake-up, gather, the two phases, the "
+                        "barrier waits) and print the mean and max over threads")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     args.prefetch = [None] if not args.prefetch else [

@@ -354,7 +354,35 @@ def test_prefetch_switches_do_not_change_results(fmt):
             lib.tandem_set_prefetch(l1, l2)
             assert torch.equal(layer(x, ids, w), want), (l1, l2)
     finally:
-        lib.tandem_set_prefetch(4096, 0)  # the kernel's defaults (moe.h Tuning)
+        lib.tandem_set_prefetch(4096, 16384)  # the kernel's defaults (moe.h Tuning)
+
+
+@pytest.mark.parametrize("act_dtype", ["auto", "int8"])
+def test_the_profile_times_every_call_and_its_parts_add_up(threads, act_dtype):
+    # Per thread, the parts of a pass run from the pool's start to the call's end, so every
+    # thread's parts add up to the same total, within the call's wall time; a read clears the sums,
+    # and nothing is summed while the profile is off.
+    threads(3)
+    layer = ce.CpuExpertLayer.from_dense(*_weights(6, 96, 64), "mxfp4", act_dtype=act_dtype)
+    x = torch.randn(5, 96).bfloat16()
+    ids, w = _routing(5, 4, 6, seed=2)
+    ce.set_profile(True)
+    try:
+        for _ in range(3):
+            layer(x, ids, w)
+        prof = ce.read_profile()
+        assert prof.calls == 3 and len(prof.seconds) == 3
+        totals = [sum(row) for row in prof.seconds]
+        assert all(v >= 0 for row in prof.seconds for v in row)
+        assert max(totals) - min(totals) < 1e-6 and 0 < totals[0] <= prof.call_seconds
+        assert 0 <= prof.route_seconds <= prof.call_seconds - totals[0] + 1e-6
+        mean, most = prof.per_call_ms("gate_up")
+        assert 0 < mean <= most
+        assert ce.read_profile().calls == 0  # read: cleared
+    finally:
+        ce.set_profile(False)
+    layer(x, ids, w)
+    assert ce.read_profile().calls == 0  # off: nothing summed
 
 
 def test_prefetch_env_values(monkeypatch):

@@ -39,6 +39,7 @@ import ctypes
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,7 @@ def _lib() -> ctypes.CDLL:
         ("tandem_unpack_expert", [i, i, i, p, p, p, p], None), ("tandem_moe", [ctypes.POINTER(_Call)], i),
         ("tandem_host_fn", [p], None), ("tandem_read_seconds", [p, i64, i, i], ctypes.c_double),
         ("tandem_advise_huge_pages", [p, i64], i), ("tandem_set_prefetch", [i64, i64], None),
+        ("tandem_set_profile", [i], None), ("tandem_read_profile", [ctypes.POINTER(ctypes.c_double), i], i),
         ("tandem_doorbell_open", [p], p), ("tandem_doorbell_add", [p, p], i), ("tandem_doorbell_close", [p], None),
         ("tandem_doorbell_served", [p], i64), ("tandem_doorbell_error", [p, ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32),
     ]:
@@ -167,6 +169,46 @@ def set_prefetch(l1: int, l2: int) -> None:
 
 def num_threads() -> int:
     return _lib().tandem_num_threads()
+
+
+# The parts of a call the kernel's profile times per thread (moe_common.cpp, Profile).
+PROFILE_PARTS = ("wake", "gather", "wait", "gate_up", "wait+quant", "down", "tail")
+
+
+@dataclass(frozen=True)
+class CallProfile:
+    """Where the kernel's calls spent their time since the last read: `seconds[t][p]`, thread t's
+    time in part p of PROFILE_PARTS (summed over the calls); the parts of a thread add up to its
+    passes' wall time, so a part's spread over the threads shows imbalance and barrier waits."""
+
+    calls: int
+    call_seconds: float  # the calls' wall time, routing included
+    route_seconds: float  # grouping the pairs by expert, before the threads start
+    seconds: tuple[tuple[float, ...], ...]
+
+    def per_call_ms(self, part: str) -> tuple[float, float]:
+        """(mean over threads, max over threads) of one part, in ms per call."""
+        i = PROFILE_PARTS.index(part)
+        values = [row[i] for row in self.seconds]
+        n = max(self.calls, 1)
+        return 1e3 * sum(values) / len(values) / n, 1e3 * max(values) / n
+
+
+def set_profile(on: bool) -> None:
+    """Time each part of every MoE call per thread (a debugging and benchmark switch: a few clock
+    reads per thread per call); turning it on or off clears the sums."""
+    _lib().tandem_set_profile(int(on))
+
+
+def read_profile() -> CallProfile:
+    """The sums since `set_profile(True)` or the last read, which clears them."""
+    lib = _lib()
+    threads = lib.tandem_num_threads()
+    buf = (ctypes.c_double * (3 + threads * len(PROFILE_PARTS)))()
+    n = lib.tandem_read_profile(buf, threads)
+    parts = len(PROFILE_PARTS)
+    rows = tuple(tuple(buf[3 + t * parts: 3 + (t + 1) * parts]) for t in range(n))
+    return CallProfile(int(buf[0]), buf[1], buf[2], rows)
 
 
 def measure_read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 3) -> float:

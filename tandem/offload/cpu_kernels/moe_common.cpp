@@ -242,9 +242,40 @@ struct Buffer {  // grow-only, 64-byte aligned
     }
 };
 
+// Where a call's time goes, per thread (tandem_profile): timestamps of each part of moe_job, summed
+// over the calls made while it is on. Parts: 0 wake-up (the job's start after run() began), 1 the
+// gather (phase 0), 2 the wait at the barrier after it, 3 the gate/up tiles (phase 1), 4 the wait
+// at the barrier after them (with int8 activations also the intermediate's quantisation and its
+// barrier), 5 the down tiles (phase 2), 6 the wait until the last thread is done. Off by default:
+// seven clock reads per thread per call.
+constexpr int kProfParts = 7;
+constexpr int kProfThreads = 256;
+struct Profile {
+    bool on = false;
+    int64_t calls = 0, call_ns = 0, route_ns = 0;  // whole calls, and their routing before the job
+    int64_t run_start = 0;                         // this pass: when run() began
+    int64_t mark[kProfThreads][kProfParts - 1];    // this pass: the end of parts 0-5, per thread
+    int64_t sum[kProfThreads][kProfParts];
+    void reset() {
+        calls = call_ns = route_ns = 0;
+        std::memset(sum, 0, sizeof(sum));
+    }
+    void at(int tid, int part) {
+        if (on && tid < kProfThreads) mark[tid][part] = now_ns();
+    }
+    void add_pass(int nthreads, int64_t end) {  // after run(): every thread's marks are in
+        for (int t = 0; t < nthreads && t < kProfThreads; ++t) {
+            int64_t prev = run_start;
+            for (int p = 0; p < kProfParts - 1; ++p) sum[t][p] += mark[t][p] - prev, prev = mark[t][p];
+            sum[t][kProfParts - 1] += end - prev;
+        }
+    }
+};
+
 struct State {
     std::mutex mutex;
     Pool pool;
+    Profile prof;
     int isa = ISA_SCALAR;
     const Kernels* kernels = kernels_scalar();
     const TileFn* i8 = kernels_scalar()->i8;  // the int8-activation kernels run under `isa`
@@ -585,17 +616,24 @@ void phase2_down(const Plan& p, int tid, int nthreads) {
 
 void moe_job(void* ctx, int tid, int nthreads) {
     const Plan& p = *static_cast<const Plan*>(ctx);
+    Profile& prof = state().prof;
+    prof.at(tid, 0);
     if (p.split[tid] < p.split[tid + 1]) prefetch_start(gate_up_tile(p, int(p.split[tid] / p.g.tiles1), p.split[tid] % p.g.tiles1));
     phase0_gather(p, tid, nthreads);
+    prof.at(tid, 1);
     state().pool.barrier();
+    prof.at(tid, 2);
     phase1_gate_up(p, tid);
+    prof.at(tid, 3);
     if (const uint8_t* next = first_down_tile(p, tid, nthreads)) prefetch_start(next);
     state().pool.barrier();
     if (p.acts == ACTS_INT8) {
         quantize_intermediate(p, tid, nthreads);
         state().pool.barrier();
     }
+    prof.at(tid, 4);
     phase2_down(p, tid, nthreads);
+    prof.at(tid, 5);
 }
 
 // Groups the chunk's pairs by expert and splits the phase-1 tiles over the threads by cost.
@@ -678,7 +716,10 @@ int run_call(tandem_call* c) {
     p.q_rows = p.acts == ACTS_INT8 ? p.g.nb_i * kQBlockWords : 0;
     p.tok_words = p.acts == ACTS_INT8 ? kQBlockWords : 1;
     const int nthreads = s.pool.size();
+    Profile& prof = s.prof;
+    const int64_t call_start = prof.on ? now_ns() : 0;
     for (int64_t t0 = 0; t0 < T; t0 += kChunk) {
+        const int64_t pass_start = prof.on ? now_ns() : 0;
         p.t0 = t0, p.T = T - t0 < kChunk ? T - t0 : kChunk;
         const int64_t P = p.T * p.k;
         p.x = static_cast<uint32_t*>(s.x.get(P * p.x_rows * 4));
@@ -686,8 +727,11 @@ int run_call(tandem_call* c) {
         p.act8 = p.acts == ACTS_INT8 ? static_cast<uint32_t*>(s.act8.get(P * p.q_rows * 4)) : nullptr;
         p.acc = static_cast<float*>(s.acc.get(p.T * p.g.hp() * 4));
         if (!p.x || !p.act || (p.acts == ACTS_INT8 && !p.act8) || !p.acc || !route(p, nthreads)) return ST_NO_MEMORY;
+        if (prof.on) prof.run_start = now_ns(), prof.route_ns += prof.run_start - pass_start;
         s.pool.run(moe_job, &p);
+        if (prof.on) prof.add_pass(nthreads, now_ns());
     }
+    if (prof.on) ++prof.calls, prof.call_ns += now_ns() - call_start;
     return ST_OK;
 }
 
@@ -756,6 +800,27 @@ TANDEM_API void tandem_set_prefetch(int64_t l1_bytes, int64_t l2_bytes) {
     std::lock_guard<std::mutex> lock(state().mutex);
     if (l1_bytes >= 0) g_tuning.prefetch_l1 = l1_bytes;
     if (l2_bytes >= 0) g_tuning.prefetch_l2 = l2_bytes;
+}
+
+// Phase timing of the MoE calls (Profile above): on (resets the sums) or off.
+TANDEM_API void tandem_set_profile(int on) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    state().prof.on = on != 0;
+    state().prof.reset();
+}
+
+// The sums since the profile was turned on or last read, then reset: out[0] calls, out[1] their
+// seconds, out[2] the routing's seconds, then per thread its kProfParts parts' seconds (thread-major).
+// Returns the threads written (at most max_threads).
+TANDEM_API int tandem_read_profile(double* out, int max_threads) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    Profile& prof = state().prof;
+    const int n = std::min({state().pool.size(), max_threads, kProfThreads});
+    out[0] = double(prof.calls), out[1] = prof.call_ns * 1e-9, out[2] = prof.route_ns * 1e-9;
+    for (int t = 0; t < n; ++t)
+        for (int p = 0; p < kProfParts; ++p) out[3 + t * kProfParts + p] = prof.sum[t][p] * 1e-9;
+    prof.reset();
+    return n;
 }
 
 TANDEM_API int64_t tandem_expert_bytes(int fmt, int hidden, int inter) { return Geometry(fmt, hidden, inter).expert_bytes; }
