@@ -26,9 +26,10 @@
 # CPU kernel's prefetch distances on the box's Xeon, MXFP4 with exact and int8 activations and bf16
 # weights, which decides whether the 4 KiB L1 default of afa88b2 holds there.
 # After session 15 (three calls found no machine), `handoff` (~6 minutes; carry the llguidance wheel) waits: the GPU
-# tests of the doorbell and of V4's shared-expert overlap (bec6c7c), auto live after 345e982 without the stage clock, the
-# hand-offs interleaved three times with the L2 prefetch default, and MXFP4 at longer L2 distances on the box's Xeon, with
-# the kernel's per-thread phase profile.
+# tests of the doorbell and of V4's shared-expert overlap (bec6c7c), auto live without the stage clock, the hand-offs
+# interleaved three times with the L2 prefetch default; then `xeon` (~3 minutes, right after on the same machine): MXFP4 at
+# longer L2 distances on the box's Xeon with the kernel's per-thread phase profile, and one thread on weights in the L3
+# (what a core computes when the RAM is not what waits).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -46,10 +47,14 @@ timeout 120 python3 benchmarks/bench_offload.py --shape v4-flash-experts --cpu-m
 timeout 130 python3 benchmarks/bench_offload.py --shape qwen3-30b-a3b --gpu-budget 8GiB --threads 15 --batches 1,4 --new-tokens 16 \
     --handoff hostfunc,poll --repeats 3 --out "$out/offload_qwen3_handoff.json" 2>&1 | grep "^batch\|measured:\|Error" \
     | tee "$out/offload_qwen3_handoff.txt"
-timeout 90 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4 --batches 1,4 --threads 15 --no-torch --calls 8 \
+elif [ "$part" = xeon ]; then
+timeout 150 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4 --batches 1,4 --threads 15 --no-torch --calls 8 \
     --layers 3 --num-experts-kept 64 --act-dtype auto,int8 --prefetch 4096:16384,4096:32768,4096:65536,2048:16384,8192:32768,0:16384 \
     --profile --out "$out/cpu_moe_pf.json" 2>&1 \
     | grep "tandem-\|RAM read\|profile" | grep -v "layers x" | tee "$out/cpu_moe_pf.txt"
+timeout 60 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4,bf16 --batches 1,4 --threads 1 --no-torch --calls 15 \
+    --layers 1 --num-experts-kept 8 --act-dtype auto,int8 --profile --out "$out/cpu_moe_hot_t1.json" 2>&1 \
+    | grep "tandem-\|RAM read\|profile" | grep -v "layers x" | tee "$out/cpu_moe_hot_t1.txt"
 elif [ "$part" = auto ]; then
 timeout 500 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 7 --concurrency 1,4,8,16 \
     --rounds 3 --prompts 48 --only "none,dspark K=7,dspark phase-fit,dspark auto,draft_model auto" --stage-clock --step-clock \
