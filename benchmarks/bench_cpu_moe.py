@@ -165,29 +165,33 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
         # Settings A/B (ISAs x prefetch distances x activation modes): each call runs under every
         # setting in turn (the layer after the one timed last, so each still starts cold), so that
         # drift weighs on all of them alike.
-        settings = [(isa, pf, act) for isa in args.isas for pf in args.prefetch for act in acts]
+        settings = [(isa, pf, act, dyn) for isa in args.isas for pf in args.prefetch for act in acts
+                    for dyn in args.dynamic]
         times: dict[tuple, list[float]] = {st: [] for st in settings}
         profiles: dict[tuple, list[ce.CallProfile]] = {st: [] for st in settings}
         ce.set_profile(args.profile)
         at = 0
         for c in range(args.warmup + args.calls):
-            for isa, pf, act in settings:
+            for isa, pf, act, dyn in settings:
                 if isa is not None:
                     ce.set_isa(isa)
                 if pf is not None:
                     ce.set_prefetch(*pf)
+                if dyn is not None:
+                    ce.set_balance(dyn)
                 stage_ids.copy_(ids[c]), stage_w.copy_(w[c])  # untimed, as the D2H copy would be
-                times[(isa, pf, act)].append(seconds(jobs[act][at % n_layers].run))
+                times[(isa, pf, act, dyn)].append(seconds(jobs[act][at % n_layers].run))
                 if args.profile:
-                    profiles[(isa, pf, act)].append(ce.read_profile())
+                    profiles[(isa, pf, act, dyn)].append(ce.read_profile())
                 at += 1
         ce.set_profile(False)
-        for (isa, pf, act), ts in times.items():
+        for (isa, pf, act, dyn), ts in times.items():
             impl = (f"tandem-{fmt}" + ("" if isa is None or len(args.isas) == 1 else f" {isa}")
-                    + ("" if pf is None else f" pf{pf[0]}/{pf[1]}") + ("" if act == "auto" else f" {act}-act"))
+                    + ("" if pf is None else f" pf{pf[0]}/{pf[1]}") + ("" if dyn is None else f" dyn{dyn}")
+                    + ("" if act == "auto" else f" {act}-act"))
             median = statistics.median(ts[args.warmup:])
             rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth)
-                        | {"act_dtype": act} | profile_summary(impl, batch, profiles[(isa, pf, act)][args.warmup:]))
+                        | {"act_dtype": act} | profile_summary(impl, batch, profiles[(isa, pf, act, dyn)][args.warmup:]))
     return rows
 
 
@@ -315,11 +319,15 @@ def main() -> None:
                         "them, interleaved per call")
     p.add_argument("--prefetch", default=None, metavar="L1:L2,...",
                    help="A/B the kernels' software-prefetch distances in bytes (0: off), interleaved per call")
+    p.add_argument("--dynamic", default=None, metavar="PCT,...",
+                   help="A/B the share of each phase the kernel's threads claim as they finish (percent; 0: all "
+                        "split up front), interleaved per call")
     p.add_argument("--profile", action="store_true",
                    help="time each part of the kernel's calls per thread (wake-up, gather, the two phases, the "
                         "barrier waits) and print the mean and max over threads")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    args.dynamic = [None] if not args.dynamic else [int(v) for v in args.dynamic.split(",")]
     args.prefetch = [None] if not args.prefetch else [
         tuple(int(v) for v in pair.split(":")) for pair in args.prefetch.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]

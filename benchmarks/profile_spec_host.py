@@ -1,5 +1,5 @@
-"""Where a speculative step's wall time goes on the host: the demo pair at concurrency 1 on the
-bench_auto workload, one configuration per process, under cProfile (engine steps only, after a
+"""Where a speculative step's wall time goes on the host: the demo pair (at concurrency 1, or
+`--concurrency`) on the bench_auto workload, one configuration per process, under cProfile (engine steps only, after a
 warm-up), with the wall time per step and the device's share measured around it.
 
     python benchmarks/profile_spec_host.py --device cuda --spec '{"method": "dspark", "num_speculative_tokens": 4}'
@@ -28,9 +28,10 @@ from tandem.builtin import demo_model_dir  # noqa: E402
 KINDS: dict[str, list[float]] = {}  # engine steps by kind: [count, seconds] (see run)
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int, int, float]:
-    """(tokens, engine steps, seconds) of the prompts one after another; each step's seconds go
-    to KINDS by whether it ran a prefill forward ("prefill") or not ("decode")."""
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrency: int = 1) -> tuple[int, int, float]:
+    """(tokens, engine steps, seconds) of the prompts, `concurrency` at a time (a finished one's
+    place taken by the next); each step's seconds go to KINDS by whether it ran a prefill forward
+    ("prefill") or not ("decode")."""
     eng = llm.engine
     tokens = steps = 0
     execute, prefilled = eng.runner.execute, [False]
@@ -42,9 +43,12 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[int
 
     eng.runner.execute = traced
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"p{i}-{time.monotonic_ns()}", p, params)
-        while eng.has_unfinished:
+    queue = list(enumerate(prompts))
+    while queue or eng.has_unfinished:
+        while queue and eng.num_unfinished < concurrency:
+            i, p = queue.pop(0)
+            eng.add_request(f"p{i}-{time.monotonic_ns()}", p, params)
+        if eng.has_unfinished:
             steps += 1
             prefilled[0] = False
             at = time.perf_counter()
@@ -62,6 +66,7 @@ def main() -> None:
     ap.add_argument("--spec", default=None, help="--speculative-config JSON (default: none)")
     ap.add_argument("--async-scheduling", choices=("on", "off"), default="on")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=1, help="requests kept in flight (at most 16)")
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=512, help="0: prefill runs eagerly")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=35)
@@ -75,18 +80,19 @@ def main() -> None:
               async_scheduling=args.async_scheduling == "on", prefill_graph_max_tokens=args.prefill_graph_max_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     prompts = workload(args.prompts)
-    run(llm, prompts, params)  # warm-up: every prompt length's kernels compiled
+    run(llm, prompts, params, args.concurrency)  # warm-up: every prompt length's kernels compiled
     prof = cProfile.Profile()
     prof.enable()
-    tokens, steps, seconds = run(llm, prompts, params)
+    tokens, steps, seconds = run(llm, prompts, params, args.concurrency)
     prof.disable()
-    print(f"spec {args.spec} async {args.async_scheduling} prefill graphs <= {args.prefill_graph_max_tokens}: {tokens} tokens in {steps} steps, {seconds:.3f} s "
+    print(f"spec {args.spec} async {args.async_scheduling} prefill graphs <= {args.prefill_graph_max_tokens}, "
+          f"concurrency {args.concurrency}: {tokens} tokens in {steps} steps, {seconds:.3f} s "
           f"(under cProfile): {tokens / seconds:.0f} tok/s, {1e3 * seconds / steps:.3f} ms a step; "
           f"steps ahead {llm.engine.num_async_steps}")
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
     pstats.Stats(prof).sort_stats("cumulative").print_stats("tandem", args.top)  # Tandem's own, inclusive
     KINDS.clear()
-    tokens, steps, seconds = run(llm, prompts, params)
+    tokens, steps, seconds = run(llm, prompts, params, args.concurrency)
     by_kind = ", ".join(f"{k} {n} steps {1e3 * t / n:.2f} ms each" for k, (n, t) in sorted(KINDS.items()))
     print(f"without cProfile: {tokens / seconds:.0f} tok/s, {1e3 * seconds / steps:.3f} ms a step ({by_kind})")
     if args.torch_profile:  # the host's torch and CUDA API calls (blocking ones stand out), and the device's kernels

@@ -357,6 +357,41 @@ def test_prefetch_switches_do_not_change_results(fmt):
         lib.tandem_set_prefetch(4096, 16384)  # the kernel's defaults (moe.h Tuning)
 
 
+@pytest.mark.parametrize("fmt, act_dtype", [("bf16", "auto"), ("mxfp4", "auto"), ("mxfp4", "int8")])
+def test_claimed_chunks_do_not_change_results(threads, fmt, act_dtype):
+    # Each phase hands a share of its tiles out as threads finish (tandem_set_balance): who
+    # computes a tile or an output row never changes it, at any share and thread count, and an
+    # expert skipped by every token (-1) still leaves zeros.
+    layer = ce.CpuExpertLayer.from_dense(*_weights(6, 96, 64), fmt, act_dtype=act_dtype)
+    x = torch.randn(13, 96).bfloat16()
+    ids, w = _routing(13, 4, 6, seed=5)
+    skipped = torch.full_like(ids, -1)
+    try:
+        ce.set_balance(0)
+        threads(1)
+        want = layer(x, ids, w)
+        for n in (2, 3):
+            threads(n)
+            for pct in (0, 25, 60, 100):
+                ce.set_balance(pct)
+                assert torch.equal(layer(x, ids, w), want), (n, pct)
+                assert not layer(x, skipped, w).any(), (n, pct)
+    finally:
+        ce.set_balance(25)  # the kernel's default (moe.h Tuning)
+    with pytest.raises(ValueError, match="percentage"):
+        ce.set_balance(101)
+
+
+def test_balance_env_value(monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_DYNAMIC_PCT", "40")
+    assert ce._env_percent("TANDEM_CPU_DYNAMIC_PCT") == 40
+    monkeypatch.setenv("TANDEM_CPU_DYNAMIC_PCT", "half")
+    with pytest.raises(ValueError, match="TANDEM_CPU_DYNAMIC_PCT"):
+        ce._env_percent("TANDEM_CPU_DYNAMIC_PCT")
+    monkeypatch.delenv("TANDEM_CPU_DYNAMIC_PCT")
+    assert ce._env_percent("TANDEM_CPU_DYNAMIC_PCT") == -1
+
+
 @pytest.mark.parametrize("act_dtype", ["auto", "int8"])
 def test_the_profile_times_every_call_and_its_parts_add_up(threads, act_dtype):
     # Per thread, the parts of a pass run from the pool's start to the call's end, so every

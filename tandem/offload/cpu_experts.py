@@ -91,7 +91,7 @@ def _lib() -> ctypes.CDLL:
         ("tandem_unpack_expert", [i, i, i, p, p, p, p], None), ("tandem_moe", [ctypes.POINTER(_Call)], i),
         ("tandem_host_fn", [p], None), ("tandem_read_seconds", [p, i64, i, i], ctypes.c_double),
         ("tandem_advise_huge_pages", [p, i64], i), ("tandem_set_prefetch", [i64, i64], None),
-        ("tandem_set_profile", [i], None), ("tandem_read_profile", [ctypes.POINTER(ctypes.c_double), i], i),
+        ("tandem_set_profile", [i], None), ("tandem_set_balance", [i], None), ("tandem_read_profile", [ctypes.POINTER(ctypes.c_double), i], i),
         ("tandem_doorbell_open", [p], p), ("tandem_doorbell_add", [p, p], i), ("tandem_doorbell_close", [p], None),
         ("tandem_doorbell_served", [p], i64), ("tandem_doorbell_error", [p, ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32),
     ]:
@@ -105,6 +105,7 @@ def _lib() -> ctypes.CDLL:
     if forced:
         _set_isa(lib, forced, source="TANDEM_CPU_ISA")
     lib.tandem_set_prefetch(_env_bytes("TANDEM_CPU_PREFETCH_L1"), _env_bytes("TANDEM_CPU_PREFETCH_L2"))
+    lib.tandem_set_balance(_env_percent("TANDEM_CPU_DYNAMIC_PCT"))
     return lib
 
 
@@ -120,6 +121,16 @@ def _env_bytes(name: str) -> int:
     if value < 0:
         raise ValueError(f"{name}={raw!r}: want a byte count >= 0 (e.g. 1024, 2k; 0 turns it off)")
     return value
+
+
+def _env_percent(name: str) -> int:
+    """A debugging switch in percent (0-100); -1 (the kernel's default) when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return -1
+    if not raw.isdigit() or int(raw) > 100:
+        raise ValueError(f"{name}={raw!r}: want a percentage 0-100")
+    return int(raw)
 
 
 def _supported(lib: ctypes.CDLL) -> tuple[str, ...]:
@@ -165,6 +176,16 @@ def set_prefetch(l1: int, l2: int) -> None:
     (0: off; -1: leave that one as it is). A tuning switch (TANDEM_CPU_PREFETCH_L1 / _L2 set it at
     load; the defaults are moe.h's Tuning)."""
     _lib().tandem_set_prefetch(l1, l2)
+
+
+def set_balance(dynamic_pct: int) -> None:
+    """The share of each phase of a call (percent) that the kernel's threads claim in small chunks
+    as they finish, the rest being split up front (0: all up front, the split before session 16;
+    -1: leave it). A tuning switch (TANDEM_CPU_DYNAMIC_PCT sets it at load; the default is moe.h's
+    Tuning). Results do not depend on it."""
+    if not isinstance(dynamic_pct, int) or not -1 <= dynamic_pct <= 100:
+        raise ValueError(f"set_balance needs a percentage 0-100 (or -1), got {dynamic_pct!r}")
+    _lib().tandem_set_balance(dynamic_pct)
 
 
 def num_threads() -> int:

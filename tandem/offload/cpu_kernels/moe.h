@@ -188,7 +188,7 @@ void pack_tiles(int fmt, int hidden, int inter, const ExpertSources& src, int64_
 // Decodes a packed expert: fp32 gate / up [I][H], down [H][I].
 void unpack_expert(int fmt, int hidden, int inter, const uint8_t* expert, float* gate, float* up, float* down);
 
-// Tuning knobs of the tile kernels, set through tandem_set_prefetch (cpu_experts.py reads them
+// Tuning knobs of the tile kernels, set through tandem_set_prefetch / tandem_set_balance (cpu_experts.py reads them
 // from debugging environment variables) and read by the kernels at each tile call.
 // The L1 distance bounds the bytes a thread has in flight: at ~130 ns of DRAM latency under load,
 // 1 KiB ahead caps a thread near 8 GB/s, which is what MXFP4 read per thread with 15 threads on
@@ -196,9 +196,13 @@ void unpack_expert(int fmt, int hidden, int inter, const uint8_t* expert, float*
 // 16-core Xeon (session 15, same-run A/B, 15 threads, cold) L1 4 KiB + L2 16 KiB beat the others
 // tried everywhere: bf16 84% -> 101-103% of the RAM probe from 1 KiB / no L2, MXFP4 with int8
 // activations 58-63% -> 68-73%, exact MXFP4 46-51% -> 48-54% (its decode bounds it).
+// dynamic_pct: the share of each phase's work that threads claim in small chunks as they finish
+// (moe_common.cpp); the rest is split up front. The same box's profile (session 16, 15 threads,
+// V4 MXFP4) had the slowest thread of a static split 30-40% behind the mean in both phases.
 struct Tuning {
     int64_t prefetch_l1 = 4096;  // bytes ahead of the weight stream prefetched to L1 (0: none)
     int64_t prefetch_l2 = 16384; // bytes ahead prefetched to L2 only (0: none)
+    int dynamic_pct = 25;        // percent of each phase claimed as threads finish (0: all up front)
 };
 extern Tuning g_tuning;
 

@@ -11,6 +11,11 @@
 //            every ISA alike -> intermediate [I][n_e];
 //   phase 2: the output rows split over the threads; each thread runs every active expert's
 //            down tiles of its rows and accumulates weight * result, experts ascending.
+// Each phase hands the first (100 - dynamic_pct)% of its work out up front, a contiguous stretch
+// per thread (the weights stream), and the rest in small chunks that threads claim as they finish
+// (moe.h Tuning): on a VM some cores run a third slower than others, and with a static split every
+// barrier waited for the slowest (BENCHMARKS.md, session 16). A chunk is whole tiles (phase 1) or
+// whole output rows (phase 2), so who computes what never changes a result.
 // With int8 activations (moe.h) phase 0 quantises what it gathers, and between phases 1 and 2 the
 // threads quantise the intermediate, split by (expert, block of 32) (a block spans 4 phase-1 tiles,
 // which may have been computed by different threads).
@@ -49,6 +54,7 @@ namespace {
 constexpr int kChunk = 512;            // tokens per pass (bounds the gathered activations)
 constexpr int kTokensPerCall = 32;     // tokens handed to one tile-kernel call
 constexpr int64_t kTileCostTokens = 4;  // a tile's streaming cost, in tokens of compute
+constexpr int64_t kChunk1 = 2;          // phase-1 tiles per claimed chunk (the rows of phase 2 go one tile at a time)
 constexpr int64_t kSpinNs = 1000000;   // workers spin this long for the next job, then sleep
 
 int64_t now_ns() {
@@ -280,6 +286,7 @@ struct State {
     const Kernels* kernels = kernels_scalar();
     const TileFn* i8 = kernels_scalar()->i8;  // the int8-activation kernels run under `isa`
     Buffer x, act, act8, acc, routing;
+    std::atomic<int64_t> next1{0}, next2{0};  // the claimed chunks of the pass running (Plan::next1 / next2)
 };
 
 State& state() {
@@ -444,7 +451,10 @@ struct Plan {
     const int* pair_expert;    // [P] index into expert[]
     const int* pair_tok;       // [P] token (chunk-relative)
     const float* pair_w;       // [P]
-    const int64_t* split;      // [N + 1] phase-1 tile boundaries per thread
+    const int64_t* split;      // [N + 1] phase-1 tile boundaries per thread (the static part)
+    int64_t static2;           // phase-2 row tiles [0, static2) split over the threads; the rest claimed
+    std::atomic<int64_t>* next1;  // the next phase-1 tile to claim (from split[N])
+    std::atomic<int64_t>* next2;  // the next phase-2 row tile to claim (from static2)
     uint32_t* x;               // [P * x_rows] gathered activations, per expert [x_rows][n] (int8: QBlock [nb_h][n])
     uint32_t* act;             // [P * a_rows] intermediate, per expert [a_rows][n]
     uint32_t* act8;            // int8: [P * q_rows] the quantised intermediate, per expert QBlock [nb_i][n]
@@ -525,21 +535,37 @@ const uint8_t* gate_up_tile(const Plan& p, int a, int64_t jt) {
 const uint8_t* down_tile(const Plan& p, int a, int64_t ht) {
     return p.c->data + p.expert[a] * p.g.expert_bytes + p.g.down_offset + ht * p.g.tile2;
 }
-// This thread's first phase-2 tile.
-const uint8_t* first_down_tile(const Plan& p, int tid, int nthreads) {
-    const int64_t h0 = p.g.tiles2 * tid / nthreads, h1 = p.g.tiles2 * (tid + 1) / nthreads;
-    return p.A > 0 && h1 > h0 ? down_tile(p, 0, h0) : nullptr;
+// This thread's first phase-2 tile (of its stretch).
+const uint8_t* first_down_tile(const Plan& p, int tid, int nthreads);
+
+// The gate/up tile at index t of the active experts' concatenated tiles.
+const uint8_t* gate_up_at(const Plan& p, int64_t t) { return gate_up_tile(p, int(t / p.g.tiles1), t % p.g.tiles1); }
+
+// The next chunk of phase-1 tiles (kChunk1 from the returned index; >= total: none left), its
+// first lines asked for.
+int64_t claim1(const Plan& p) {
+    const int64_t claimed = p.next1->fetch_add(kChunk1, std::memory_order_relaxed);
+    if (claimed < p.A * p.g.tiles1) prefetch_start(gate_up_at(p, claimed));
+    return claimed;
 }
 
-void phase1_gate_up(const Plan& p, int tid) {
+// Tiles [t0, t1) of the concatenated gate/up tiles. Returns the chunk claimed next, at the start
+// of the last tile (its lines come in while that tile streams).
+int64_t gate_up_tiles(const Plan& p, int64_t t0, int64_t t1) {
+    if (t0 >= t1) return claim1(p);
     float out[kTokensPerCall * kRows];
     const float limit = p.c->swiglu_limit;
-    int a = 0;
-    for (int64_t tile = p.split[tid]; tile < p.split[tid + 1]; ++tile) {
+    int64_t claimed = 0;
+    int a = int(t0 / p.g.tiles1);
+    for (int64_t tile = t0; tile < t1; ++tile) {
         while (tile >= (a + 1) * p.g.tiles1) ++a;
         const int64_t jt = tile - a * p.g.tiles1, n = p.start[a + 1] - p.start[a];
         const uint8_t* w = gate_up_tile(p, a, jt);
-        if (jt == p.g.tiles1 - 1 && tile + 1 < p.split[tid + 1]) prefetch_start(gate_up_tile(p, a + 1, 0));
+        if (tile + 1 == t1) {
+            claimed = claim1(p);
+        } else if (jt == p.g.tiles1 - 1) {
+            prefetch_start(gate_up_tile(p, a + 1, 0));
+        }
         const uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows;
         uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
         for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
@@ -557,6 +583,14 @@ void phase1_gate_up(const Plan& p, int tid) {
                 }
         }
     }
+    return claimed;
+}
+
+// Phase 1 for one thread: its stretch, then chunks of kChunk1 tiles while any are left.
+void phase1_gate_up(const Plan& p, int tid) {
+    const int64_t total = p.A * p.g.tiles1;
+    for (int64_t claimed = gate_up_tiles(p, p.split[tid], p.split[tid + 1]); claimed < total;)
+        claimed = gate_up_tiles(p, claimed, std::min(claimed + kChunk1, total));
 }
 
 // int8 activations: quantises the fp32 intermediate for the down tiles, each thread a share of
@@ -581,16 +615,44 @@ const uint32_t* down_input(const Plan& p, int a) {
     return p.acts == ACTS_INT8 ? p.act8 + int64_t(p.start[a]) * p.q_rows : p.act + int64_t(p.start[a]) * p.a_rows;
 }
 
-void phase2_down(const Plan& p, int tid, int nthreads) {
+// Output rows of row tiles [h0, h1) from the accumulator to the call's output, in its dtype.
+void write_rows(const Plan& p, int64_t h0, int64_t h1) {
+    const int64_t hp = p.g.hp(), H = p.g.hidden, end = h1 * kRows < H ? h1 * kRows : H;
+    for (int64_t t = 0; t < p.T; ++t) {
+        const float* src = p.acc + t * hp;
+        const int64_t row = (p.t0 + t) * H;
+        for (int64_t h = h0 * kRows; h < end; ++h) {
+            if (p.c->x_dtype == DT_F32) static_cast<float*>(p.c->out)[row + h] = src[h];
+            else static_cast<uint16_t*>(p.c->out)[row + h] = float_to_bf16(src[h]);
+        }
+    }
+}
+
+// The next phase-2 row tile (>= tiles2: none left), its first expert's first lines asked for.
+int64_t claim2(const Plan& p) {
+    const int64_t claimed = p.next2->fetch_add(1, std::memory_order_relaxed);
+    if (claimed < p.g.tiles2 && p.A > 0) prefetch_start(down_tile(p, 0, claimed));
+    return claimed;
+}
+
+// Output row tiles [h0, h1): every active expert's down tiles of these rows, summed in expert
+// order into the accumulator, then written out. Returns the row tile claimed next, at the start
+// of the last expert's last tile.
+int64_t down_rows(const Plan& p, int64_t h0, int64_t h1) {
+    if (h1 <= h0) return claim2(p);
     float out[kTokensPerCall * kRows];
-    const int64_t hp = p.g.hp(), h0 = p.g.tiles2 * tid / nthreads, h1 = p.g.tiles2 * (tid + 1) / nthreads;
+    const int64_t hp = p.g.hp();
+    int64_t claimed = p.A == 0 ? claim2(p) : 0;  // else at the last tile
     for (int64_t t = 0; t < p.T; ++t) std::memset(p.acc + t * hp + h0 * kRows, 0, (h1 - h0) * kRows * 4);
     for (int a = 0; a < p.A; ++a) {
         const int64_t n = p.start[a + 1] - p.start[a];
         const uint32_t* act = down_input(p, a);
         const uint8_t* base = down_tile(p, a, 0);
         for (int64_t ht = h0; ht < h1; ++ht) {
-            if (ht == h1 - 1 && a + 1 < p.A) prefetch_start(down_tile(p, a + 1, h0));
+            if (ht == h1 - 1) {
+                if (a + 1 < p.A) prefetch_start(down_tile(p, a + 1, h0));
+                else claimed = claim2(p);
+            }
             for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
                 const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
                 p.fn(base + ht * p.g.tile2, p.g.nb_i, act + c0 * p.tok_words, n, cnt, out);
@@ -603,15 +665,23 @@ void phase2_down(const Plan& p, int tid, int nthreads) {
             }
         }
     }
-    const int64_t H = p.g.hidden, end = h1 * kRows < H ? h1 * kRows : H;
-    for (int64_t t = 0; t < p.T; ++t) {
-        const float* src = p.acc + t * hp;
-        const int64_t row = (p.t0 + t) * H;
-        for (int64_t h = h0 * kRows; h < end; ++h) {
-            if (p.c->x_dtype == DT_F32) static_cast<float*>(p.c->out)[row + h] = src[h];
-            else static_cast<uint16_t*>(p.c->out)[row + h] = float_to_bf16(src[h]);
-        }
-    }
+    write_rows(p, h0, h1);
+    return claimed;
+}
+
+// The first row tile of this thread's phase-2 stretch, and its end.
+int64_t down_begin(const Plan& p, int tid, int nthreads) { return p.static2 * tid / nthreads; }
+int64_t down_end(const Plan& p, int tid, int nthreads) { return p.static2 * (tid + 1) / nthreads; }
+
+// Phase 2 for one thread: its stretch of row tiles, then single row tiles while any are left.
+void phase2_down(const Plan& p, int tid, int nthreads) {
+    for (int64_t h = down_rows(p, down_begin(p, tid, nthreads), down_end(p, tid, nthreads)); h < p.g.tiles2;)
+        h = down_rows(p, h, h + 1);
+}
+
+const uint8_t* first_down_tile(const Plan& p, int tid, int nthreads) {
+    const int64_t h0 = down_begin(p, tid, nthreads), h1 = down_end(p, tid, nthreads);
+    return p.A > 0 && h1 > h0 ? down_tile(p, 0, h0) : nullptr;
 }
 
 void moe_job(void* ctx, int tid, int nthreads) {
@@ -669,18 +739,21 @@ bool route(Plan& p, int nthreads) {
         const int a = count[e], q = pos[a]++;
         pair_expert[q] = a, pair_tok[q] = int(i / p.k), pair_w[q] = weight_at(c, base + i);
     }
-    // Phase-1 split: tile of expert a costs kTileCostTokens + n_a; thread i starts at cost W*i/N.
+    // Phase-1 split: tile of expert a costs kTileCostTokens + n_a; of the first (100 - dynamic_pct)%
+    // of the cost W, thread i starts at W' * i / N; the tiles after split[N] are claimed in chunks.
     int64_t total = 0;
     for (int a = 0; a < A; ++a) total += p.g.tiles1 * (kTileCostTokens + start[a + 1] - start[a]);
+    const int64_t pct = std::clamp<int64_t>(g_tuning.dynamic_pct, 0, 100), up_front = total * (100 - pct) / 100;
     int64_t cum = 0;
     int a = 0;
     for (int i = 0; i <= nthreads; ++i) {
-        const int64_t target = total * i / nthreads;
+        const int64_t target = up_front * i / nthreads;
         while (a < A && cum + p.g.tiles1 * (kTileCostTokens + start[a + 1] - start[a]) <= target)
             cum += p.g.tiles1 * (kTileCostTokens + start[a + 1] - start[a]), ++a;
         const int64_t cost = a < A ? kTileCostTokens + start[a + 1] - start[a] : 1;
-        split[i] = i == nthreads ? A * p.g.tiles1 : a * p.g.tiles1 + (target - cum + cost - 1) / cost;
+        split[i] = i == nthreads && pct == 0 ? A * p.g.tiles1 : a * p.g.tiles1 + (target - cum + cost - 1) / cost;
     }
+    p.static2 = p.g.tiles2 * (100 - pct) / 100;
     p.A = A, p.expert = expert, p.start = start, p.pair_expert = pair_expert;
     p.pair_tok = pair_tok, p.pair_w = pair_w, p.split = split;
     return true;
@@ -698,8 +771,7 @@ int run_call(tandem_call* c) {
         int64_t e = id_at(c, i);
         if (e < -1 || e >= c->num_experts) return c->bad_value = e, ST_BAD_EXPERT;
     }
-    Plan p{c, Geometry(c->fmt, c->hidden, c->inter), nullptr, ACTS_F32, 0, 0, 0, 0, 0, 0, 0, 0,
-           nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    Plan p{c, Geometry(c->fmt, c->hidden, c->inter), nullptr, ACTS_F32};  // the rest zero: set below
     if (p.g.expert_bytes != c->expert_bytes) return ST_BAD_ARGS;
     const Kernels* k = s.kernels;
     if (c->act_dtype == ACT_INT8) {
@@ -727,6 +799,9 @@ int run_call(tandem_call* c) {
         p.act8 = p.acts == ACTS_INT8 ? static_cast<uint32_t*>(s.act8.get(P * p.q_rows * 4)) : nullptr;
         p.acc = static_cast<float*>(s.acc.get(p.T * p.g.hp() * 4));
         if (!p.x || !p.act || (p.acts == ACTS_INT8 && !p.act8) || !p.acc || !route(p, nthreads)) return ST_NO_MEMORY;
+        s.next1.store(p.split[nthreads], std::memory_order_relaxed);
+        s.next2.store(p.static2, std::memory_order_relaxed);
+        p.next1 = &s.next1, p.next2 = &s.next2;
         if (prof.on) prof.run_start = now_ns(), prof.route_ns += prof.run_start - pass_start;
         s.pool.run(moe_job, &p);
         if (prof.on) prof.add_pass(nthreads, now_ns());
@@ -821,6 +896,13 @@ TANDEM_API int tandem_read_profile(double* out, int max_threads) {
         for (int p = 0; p < kProfParts; ++p) out[3 + t * kProfParts + p] = prof.sum[t][p] * 1e-9;
     prof.reset();
     return n;
+}
+
+// The share of each phase's work (percent, 0-100) that threads claim as they finish instead of
+// being handed out up front (moe.h Tuning); negative: keep. Results do not depend on it.
+TANDEM_API void tandem_set_balance(int dynamic_pct) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    if (dynamic_pct >= 0) g_tuning.dynamic_pct = std::min(dynamic_pct, 100);
 }
 
 TANDEM_API int64_t tandem_expert_bytes(int fmt, int hidden, int inter) { return Geometry(fmt, hidden, inter).expert_bytes; }
