@@ -142,8 +142,8 @@ class AutoK:
         # id -> key -> (K, rates, step, steps it stands) of the last search that saw the request
         # in that context
         self._choice: dict[str, dict[str, tuple[int, list[float], int, int]]] = {}
-        # An all-zero choice repeats unchanged for `_hold` more steps of the same requests in the
-        # same phases (`repeat_zero`): no probe or search falls due before then. The steps it
+        # An all-zero choice repeats unchanged for `_hold` more steps of the same requests
+        # (`repeat_zero`): no probe or search falls due before then. The steps it
         # repeated are added to those requests' same-K counts at the next `choose`.
         self._hold = 0
         self._hold_of: tuple[list[str], list[str]] = ([], [])  # (ids, phases)
@@ -279,12 +279,15 @@ class AutoK:
             return None
         return list(batch[3])
 
-    def repeat_zero(self, ids: Sequence[str], phases: Sequence[str]) -> bool:
-        """Whether this step's choice is the last one, all zero, repeated: the same requests in
-        the same phases, within the steps it holds for. Then the step is counted as chosen (no
-        search, no per-request work: a step that goes ahead at the device's pace notices the host
-        time), and the caller keeps the last choice."""
-        if self._hold <= 0 or list(ids) != self._hold_of[0] or list(phases) != self._hold_of[1]:
+    def repeat_zero(self, ids: Sequence[str]) -> bool:
+        """Whether this step's choice is the last one, all zero, repeated: the same requests,
+        within the steps it holds for. Then the step is counted as chosen (no search, no
+        per-request work, not even phase tracking: a step that goes ahead at the device's pace
+        notices the host time, and at 16 requests the trackers were most of it), and the caller
+        keeps the last choice. A phase switch during the hold is seen when it ends, at most
+        ZERO_HOLD_MAX steps later: the K of a request that draws nothing from drafting changes
+        speed only, never the tokens."""
+        if self._hold <= 0 or list(ids) != self._hold_of[0]:
             return False
         self._hold -= 1
         self._held_steps += 1

@@ -281,11 +281,11 @@ class SpecDecoder:
         in_flight[i] drafts of request i (so may add up to in_flight[i] + 1 tokens: its room
         counts them). Not recorded until `commit_ahead`. None: auto holds its last all-zero
         choice (K = 0 for all, already recorded)."""
+        ids = [r.request_id for r in requests]
+        if self.auto is not None and self.auto.repeat_zero(ids):
+            return None  # the last choice again: _drafted and chosen_k stand (phases tracked after)
         tracked = [self._track(r) for r in requests]
         phases = [t.tracker.phase for t in tracked]
-        ids = [r.request_id for r in requests]
-        if self.auto is not None and self.auto.repeat_zero(ids, phases):
-            return None  # the last choice again: _drafted and chosen_k stand
         rooms = [max(0, self.room(r) - 1 - k) for r, k in zip(requests, in_flight)]
         return self._choose(ids, requests, phases, rooms)
 
