@@ -91,7 +91,8 @@ def _lib() -> ctypes.CDLL:
         ("tandem_unpack_expert", [i, i, i, p, p, p, p], None), ("tandem_moe", [ctypes.POINTER(_Call)], i),
         ("tandem_host_fn", [p], None), ("tandem_read_seconds", [p, i64, i, i], ctypes.c_double),
         ("tandem_advise_huge_pages", [p, i64], i), ("tandem_set_prefetch", [i64, i64], None),
-        ("tandem_set_profile", [i], None), ("tandem_set_balance", [i], None), ("tandem_read_profile", [ctypes.POINTER(ctypes.c_double), i], i),
+        ("tandem_set_profile", [i], None), ("tandem_set_balance", [i], None),
+        ("tandem_read_profile", [ctypes.POINTER(ctypes.c_double), i], i),
         ("tandem_doorbell_open", [p], p), ("tandem_doorbell_add", [p, p], i), ("tandem_doorbell_close", [p], None),
         ("tandem_doorbell_served", [p], i64), ("tandem_doorbell_error", [p, ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32),
     ]:

@@ -185,11 +185,11 @@ class AutoK:
         elif (batch := self._batch_choice(ids, phases, keys, limits)) is not None:
             # A padded step charges the batch's deepest K to every request, so the choice is the
             # batch's depth: it stands while the batch and its phases do (and for one or two
-            # requests their contexts: `_run_mix`), for REFRESH_STEPS steps or more (`_search_batch`), though single
-            # requests' contexts flip (one or another does nearly every step at 4 and more, and a
-            # search every step cost ~0.1 ms of host time at 16 on the H100 box's Xeon). A draft
-            # is predicted with the request's last searched rates in its context (the phase's
-            # while it has none).
+            # requests their contexts: `_run_mix`), for REFRESH_STEPS steps or more
+            # (`_search_batch`), though single requests' contexts flip (one or another does
+            # nearly every step at 4 and more, and a search every step cost ~0.1 ms of host time
+            # at 16 on the H100 box's Xeon). A draft is predicted with the request's last
+            # searched rates in its context (the phase's while it has none).
             ks, rates = batch, []
             searched = [self._batch[4]] * len(ids)  # a request's context may not have been searched
             priors: dict[str, list[float]] = {}

@@ -188,8 +188,8 @@ void pack_tiles(int fmt, int hidden, int inter, const ExpertSources& src, int64_
 // Decodes a packed expert: fp32 gate / up [I][H], down [H][I].
 void unpack_expert(int fmt, int hidden, int inter, const uint8_t* expert, float* gate, float* up, float* down);
 
-// Tuning knobs of the tile kernels, set through tandem_set_prefetch / tandem_set_balance (cpu_experts.py reads them
-// from debugging environment variables) and read by the kernels at each tile call.
+// Tuning knobs of the tile kernels, set through tandem_set_prefetch / tandem_set_balance
+// (cpu_experts.py reads them from debugging environment variables) and read at each call.
 // The L1 distance bounds the bytes a thread has in flight: at ~130 ns of DRAM latency under load,
 // 1 KiB ahead caps a thread near 8 GB/s, which is what MXFP4 read per thread with 15 threads on
 // a 16-core Xeon whose RAM gives 12.8 GB/s a thread (BENCHMARKS.md, session 14). On a GPU box's

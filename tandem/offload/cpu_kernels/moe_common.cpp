@@ -54,7 +54,7 @@ namespace {
 constexpr int kChunk = 512;            // tokens per pass (bounds the gathered activations)
 constexpr int kTokensPerCall = 32;     // tokens handed to one tile-kernel call
 constexpr int64_t kTileCostTokens = 4;  // a tile's streaming cost, in tokens of compute
-constexpr int64_t kChunk1 = 2;          // phase-1 tiles per claimed chunk (the rows of phase 2 go one tile at a time)
+constexpr int64_t kChunk1 = 2;          // phase-1 tiles per claimed chunk (phase 2 claims one row tile)
 constexpr int64_t kSpinNs = 1000000;   // workers spin this long for the next job, then sleep
 
 int64_t now_ns() {
@@ -688,7 +688,7 @@ void moe_job(void* ctx, int tid, int nthreads) {
     const Plan& p = *static_cast<const Plan*>(ctx);
     Profile& prof = state().prof;
     prof.at(tid, 0);
-    if (p.split[tid] < p.split[tid + 1]) prefetch_start(gate_up_tile(p, int(p.split[tid] / p.g.tiles1), p.split[tid] % p.g.tiles1));
+    if (p.split[tid] < p.split[tid + 1]) prefetch_start(gate_up_at(p, p.split[tid]));
     phase0_gather(p, tid, nthreads);
     prof.at(tid, 1);
     state().pool.barrier();
