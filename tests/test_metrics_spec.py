@@ -111,10 +111,15 @@ def test_prometheus_k_counter():
 
 
 def test_prometheus_draft_counters_by_phase():
+    # Drafts are tallied and reach the counters at flush_drafts (the engine flushes once a step).
     m = EngineMetrics("m")
     m.count_draft("reasoning", 3, 2)
     m.count_draft("reasoning", 3, 0)
     m.count_draft("content", 2, 1)
+    assert _samples(m, "tandem:spec_decode_num_drafts_total") == {}
+    flushed = m.flush_drafts()
+    assert flushed["reasoning"].accepted_per_pos == [1, 1, 0] and flushed["content"].num_drafts == 1
+    assert m.flush_drafts() == {}  # flushed once
     r, c = (("model_name", "m"), ("phase", "reasoning")), (("model_name", "m"), ("phase", "content"))
     assert _samples(m, "tandem:spec_decode_num_drafts_total") == {r: 2.0, c: 1.0}
     assert _samples(m, "tandem:spec_decode_num_draft_tokens_total") == {r: 6.0, c: 2.0}
@@ -131,8 +136,12 @@ def test_prometheus_draft_counters_by_phase():
 def test_window_and_prometheus_agree(phase):
     m, w = EngineMetrics("m"), StatsWindow(start=0.0)
     for n, a in [(3, 3), (3, 0), (2, 1)]:
-        m.count_draft(phase, n, a)
-        w.count_draft(phase, n, a)
+        m.count_draft(phase, n, a, 1.5)
+    w.add_drafts(m.flush_drafts())
+    direct = StatsWindow(start=0.0)
+    for n, a in [(3, 3), (3, 0), (2, 1)]:
+        direct.count_draft(phase, n, a, 1.5)
+    assert w.drafts[phase] == direct.drafts[phase]  # summed once a step or counted one by one
     labels = (("model_name", "m"), ("phase", phase))
     assert _samples(m, "tandem:spec_decode_num_drafts_total")[labels] == w.drafts[phase].num_drafts == 3
     assert _samples(m, "tandem:spec_decode_num_accepted_tokens_total")[labels] == w.drafts[phase].num_accepted_tokens == 4

@@ -389,7 +389,7 @@ class LLMEngine(AheadSteps):
         self._window.prompt_tokens += prompt_tokens
         m.label(m.prompt_tokens).inc(prompt_tokens)
         m.label(m.preemptions).inc(len(sched.preempted))
-        outputs = []
+        outputs, drafted = [], False
         for s, result in results:
             req = s.request
             if req.status != RequestStatus.RUNNING:  # a row scheduled ahead of the token that stopped it
@@ -401,17 +401,14 @@ class LLMEngine(AheadSteps):
                 if s.draft:
                     guess = (expected.get(req.request_id) if expected is not None
                              else self.spec.expected_accepted(req.request_id, len(s.draft)))
-                    self._count_draft(req, len(s.draft), result.num_accepted, guess)
+                    self.metrics.count_draft(self.spec.phase(req), len(s.draft), result.num_accepted, guess)
+                    drafted = True
                 outputs.append(self._append_tokens(req, result.tokens, result.logprobs, now))
             except Exception as e:  # noqa: BLE001 - e.g. the detokenizer: this request alone
                 outputs.append(self._fail_request(req, "postprocessing", e))
+        if drafted:  # the step's drafts, summed by phase: one update per counter
+            self._window.add_drafts(m.flush_drafts())
         return outputs
-
-    def _count_draft(self, req: Request, num_draft: int, num_accepted: int, expected: float | None) -> None:
-        assert self.spec is not None
-        phase = self.spec.phase(req)
-        self.metrics.count_draft(phase, num_draft, num_accepted, expected)
-        self._window.count_draft(phase, num_draft, num_accepted, expected)
 
     def _count_spec_step(self) -> None:
         """The K each request got this step, by phase, and the drafter's forwards (graph or eager).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -68,6 +69,7 @@ class EngineMetrics:
                                           "Measured seconds of those steps.", labels, registry=r)
         self.model_name = model_name
         self._children: dict[tuple, object] = {}  # see child
+        self._tallies: dict[str, _DraftTally] = {}  # the drafts counted since the last flush_drafts, by phase
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
         return self.child(metric, model_name=self.model_name)
@@ -83,15 +85,31 @@ class EngineMetrics:
 
     def count_draft(self, phase: str, num_draft: int, num_accepted: int, expected: float | None = None) -> None:
         """One verified draft of `num_draft` tokens whose first `num_accepted` were accepted
-        (`expected`: the accepted tokens the K controller predicted, with adaptive auto)."""
-        labels = {"model_name": self.model_name, "phase": phase}
-        if expected is not None:  # every draft under adaptive auto
-            self.child(self.spec_predicted_accepted, **labels).inc(expected)
-        self.child(self.spec_drafts, **labels).inc()
-        self.child(self.spec_draft_tokens, **labels).inc(num_draft)
-        self.child(self.spec_accepted_tokens, **labels).inc(num_accepted)
-        for pos in range(num_accepted):
-            self.child(self.spec_accepted_per_pos, **labels, position=str(pos)).inc()
+        (`expected`: the accepted tokens the K controller predicted, with adaptive auto). Tallied
+        until `flush_drafts`, which the engine calls once a step: a dozen counter updates per
+        draft were 8 us of host time a request a step (16 requests: 0.13 ms, on the CPU machine)."""
+        tally = self._tallies.get(phase)
+        if tally is None:
+            tally = self._tallies[phase] = _DraftTally()
+        tally.add(num_draft, num_accepted, expected)
+
+    def flush_drafts(self) -> dict[str, DraftCounts]:
+        """Add the tallied drafts to the counters (one update per counter and phase); returns them
+        by phase, for the stats window."""
+        out = {}
+        for phase, tally in self._tallies.items():
+            labels = {"model_name": self.model_name, "phase": phase}
+            counts = out[phase] = tally.counts()
+            if counts.num_predicted:
+                self.child(self.spec_predicted_accepted, **labels).inc(counts.expected_accepted)
+            self.child(self.spec_drafts, **labels).inc(counts.num_drafts)
+            self.child(self.spec_draft_tokens, **labels).inc(counts.num_draft_tokens)
+            self.child(self.spec_accepted_tokens, **labels).inc(counts.num_accepted_tokens)
+            for pos, n in enumerate(counts.accepted_per_pos):
+                if n:
+                    self.child(self.spec_accepted_per_pos, **labels, position=str(pos)).inc(n)
+        self._tallies.clear()
+        return out
 
     def count_k(self, phase: str, k: int, n: int = 1) -> None:
         """n request-steps that chose draft depth `k` (0: no draft) in `phase`."""
@@ -102,6 +120,37 @@ class EngineMetrics:
         self.label(self.spec_steps_timed).inc()
         self.label(self.spec_step_predicted).inc(predicted)
         self.label(self.spec_step_measured).inc(measured)
+
+
+class _DraftTally:
+    """One phase's verified drafts since the last flush: sums, and how many drafts accepted
+    exactly j tokens (the per-position counts are its suffix sums)."""
+
+    __slots__ = ("drafts", "draft_tokens", "accepted", "expected", "predicted", "by_accepted", "longest")
+
+    def __init__(self) -> None:
+        self.drafts = self.draft_tokens = self.accepted = self.predicted = self.longest = 0
+        self.expected = 0.0
+        self.by_accepted: list[int] = []
+
+    def add(self, num_draft: int, num_accepted: int, expected: float | None) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_draft
+        self.accepted += num_accepted
+        if num_draft > self.longest:
+            self.longest = num_draft
+        if expected is not None:
+            self.expected += expected
+            self.predicted += 1
+        if num_accepted:
+            if len(self.by_accepted) < num_accepted:
+                self.by_accepted.extend([0] * (num_accepted - len(self.by_accepted)))
+            self.by_accepted[num_accepted - 1] += 1
+
+    def counts(self) -> DraftCounts:
+        per_pos = list(accumulate(reversed(self.by_accepted)))[::-1]
+        per_pos += [0] * (self.longest - len(per_pos))
+        return DraftCounts(self.drafts, self.draft_tokens, self.accepted, per_pos, self.expected, self.predicted)
 
 
 @dataclass
@@ -173,6 +222,11 @@ class StatsWindow:
         """One verified draft of `num_draft` tokens, in `phase`, whose first `num_accepted` were
         accepted (`expected`: what the K controller predicted)."""
         self.drafts.setdefault(phase, DraftCounts()).add(num_draft, num_accepted, expected)
+
+    def add_drafts(self, by_phase: dict[str, DraftCounts]) -> None:
+        """Drafts already summed by phase (`EngineMetrics.flush_drafts`)."""
+        for phase, counts in by_phase.items():
+            self.drafts.setdefault(phase, DraftCounts()).merge(counts)
 
     def count_step_time(self, predicted: float, measured: float) -> None:
         self.timed_steps += 1
