@@ -69,10 +69,16 @@ class EngineMetrics:
                                           "Measured seconds of those steps.", labels, registry=r)
         self.model_name = model_name
         self._children: dict[tuple, object] = {}  # see child
+        self._labelled: dict[int, object] = {}  # see label
         self._tallies: dict[str, _DraftTally] = {}  # the drafts counted since the last flush_drafts, by phase
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
-        return self.child(metric, model_name=self.model_name)
+        """metric.labels(model_name=...), looked up once: every request of every step counts its
+        tokens and latencies here."""
+        found = self._labelled.get(id(metric))
+        if found is None:
+            found = self._labelled[id(metric)] = self.child(metric, model_name=self.model_name)
+        return found
 
     def child(self, metric, **labels: str):  # noqa: ANN001, ANN201 - prometheus types
         """metric.labels(**labels), looked up once: a step counts a dozen labelled children, and

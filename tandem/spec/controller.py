@@ -386,7 +386,7 @@ class SpecDecoder:
             if len(keep) < len(batch):
                 batch, kept = [batch[i] for i in keep], [kept[i] for i in keep]
         self.proposer.observe(batch, kept, aux)
-        if self.auto is not None:
+        if self.auto is not None and accepted:  # (a step without drafts verified none)
             for s in sched.scheduled:
                 if s.draft:
                     self.auto.observe(s.request.request_id, len(s.draft), accepted.get(s.request.request_id, 0))
