@@ -30,12 +30,32 @@
 # interleaved three times with the L2 prefetch default; then `xeon` (~3 minutes, right after on the same machine): MXFP4 at
 # longer L2 distances on the box's Xeon with the kernel's per-thread phase profile, and one thread on weights in the L3
 # (what a core computes when the RAM is not what waits).
+# After session 16 (its budget went on starts that found no machine), `claims` (~8 minutes; carry the llguidance
+# wheel) waits: the kernel's claimed chunks (7e96c4a) A/B'd on the box's Xeon with the phase profile, V4 end to end with
+# them under both hand-offs, the GPU tests of V4's graphs with the doorbell (call 1's 60 s cut them off), and where the
+# draft model's steps go at 16 requests (profile_spec_host.py --concurrency 16, against no speculation).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
 mkdir -p "$out"
 part=${1:-v4}
-if [ "$part" = handoff ]; then
+if [ "$part" = claims ]; then
+timeout 90 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4,bf16 --batches 1,4 --threads 15 --no-torch --calls 8 \
+    --layers 3 --num-experts-kept 64 --act-dtype auto,int8 --dynamic 0,25,40 --profile --out "$out/kernel_dyn.json" 2>&1 \
+    | grep "tandem-\|RAM read\|profile" | grep -v "layers x" | tee "$out/kernel_dyn.txt"
+timeout 110 python3 benchmarks/bench_offload.py --shape v4-flash-experts --cpu-moe --fmt mxfp4 --act-dtype int8 --num-experts-kept 32 \
+    --gpu-budget 24GiB --threads 15 --batches 1,4 --new-tokens 16 --handoff hostfunc,poll --repeats 2 \
+    --out "$out/offload_v4.json" 2>&1 | grep "^batch\|measured:\|Error" | tee "$out/offload_v4.txt"
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py tests/test_deepseek_v4_engine.py 2>&1 \
+    | tail -4 | tee "$out/gpu_tests.txt"
+for spec in none '{"method": "draft_model", "num_speculative_tokens": 7, "adaptive": "auto"}'; do
+    args=(); [ "$spec" != none ] && args=(--spec "$spec")
+    name=$([ "$spec" = none ] && echo none || echo draft_model_auto)
+    timeout 80 python3 benchmarks/profile_spec_host.py --device cuda "${args[@]}" --prompts 32 --concurrency 16 --top 40 \
+        > "$out/profile_c16_$name.txt" 2>&1
+    grep "tok/s" "$out/profile_c16_$name.txt"
+done
+elif [ "$part" = handoff ]; then
 timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py tests/test_deepseek_v4_engine.py 2>&1 \
     | tail -4 | tee "$out/gpu_tests.txt"
 timeout 160 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 7 --concurrency 1,4,8,16 \
