@@ -457,6 +457,34 @@ def test_a_costly_catch_up_spaces_the_probes_out_of_k0():
     assert n_dear <= 2  # every ~500 steps
 
 
+def test_leaving_k0_must_pay_for_the_catch_up(monkeypatch):
+    # Drafting pays by ~8% on the tables (a_i = 0.3: G 1.00 at K = 0, 1.08 at K = 1). With no
+    # catch-up learned the controller leaves K = 0; once a catch-up of 2 steps' time is learned,
+    # the first drafting step's cost (spread over REFRESH_STEPS steps: +25%) outweighs the gain;
+    # a request whose drafts pay by far more still leaves K = 0.
+    cost = hand_cost({1: {q: 1.0 + 0.2 * (q - 1) for q in range(1, 6)}})
+    auto = AutoK(4, (1, 2, 3, 4), cost)
+    weak, strong = [[0.3] * 4], [[0.95] * 4]
+    assert auto._hysteresis([0]) == pytest.approx(0.02)
+    from tandem.spec.goodput import choose_ks
+
+    assert choose_ks(weak, (1, 2, 3, 4), cost, [0], hysteresis=auto._hysteresis([0])) == [1]
+    for _ in range(20):
+        auto.observe_catch_up([1], [1], cost.seconds([1]) + 2.0)
+    assert auto.catch_up == pytest.approx(2.0, rel=0.01)
+    assert auto._hysteresis([0]) == pytest.approx(0.02 + 2.0 / 8.0, rel=0.01)
+    assert auto._hysteresis([1]) == pytest.approx(0.02)  # already drafting: nothing to catch up
+    assert choose_ks(weak, (1, 2, 3, 4), cost, [0], hysteresis=auto._hysteresis([0])) == [0]
+    assert choose_ks(strong, (1, 2, 3, 4), cost, [0], hysteresis=auto._hysteresis([0])) != [0]
+    # choose's searches pass it on.
+    from tandem.spec import auto as auto_module
+
+    passed = []
+    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: passed.append(a[5]) or choose_ks(*a, **k))
+    auto.choose(["new"], ["content"], [9])
+    assert passed == [pytest.approx(0.27, rel=0.01)]
+
+
 def test_a_draft_model_skips_prompts_auto_would_not_draft_for_and_catches_up_when_it_does(demo_prompts):
     ids, ref = demo_prompts
     llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO}, **COMMON)

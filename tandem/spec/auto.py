@@ -37,7 +37,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.spec.goodput import PHASE_DECAY, AcceptanceStats, StepCost, choose_ks, expected_accepted
+from tandem.spec.goodput import HYSTERESIS, PHASE_DECAY, AcceptanceStats, StepCost, choose_ks, expected_accepted
 
 logger = logging.getLogger("tandem")
 
@@ -201,7 +201,7 @@ class AutoK:
             priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
             rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]
             previous = [self._previous.get(rid, _NOTHING).get(key, 0) for rid, key in zip(ids, keys)]
-            ks = choose_ks(rates, self.depths, self.cost, previous, limits)
+            ks = choose_ks(rates, self.depths, self.cost, previous, limits, self._hysteresis(previous))
             if any(ks):
                 self._zero_refresh = REFRESH_STEPS
             for rid, key, k, r in zip(ids, keys, ks, rates):
@@ -250,6 +250,17 @@ class AutoK:
                 self._zero_refresh = min(2 * self._zero_refresh, ZERO_HOLD_MAX)
             self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
         return ks
+
+    def _hysteresis(self, previous: Sequence[int]) -> float:
+        """The gain a search must find to replace `previous`: HYSTERESIS, and out of all-zero with a
+        drafter that catches up on the tokens it skipped (a draft model), also the catch-up the
+        first drafting step pays (`observe_catch_up`), spread over the REFRESH_STEPS steps a new
+        choice stands at least. Live on the H100 box the draft model's drafting steps cost 2-7 ms
+        of host time on top of the tables, against a 1-1.5 ms plain step at 8-16 requests, so a
+        choice that pays by a few percent on the tables did not pay once it was made."""
+        if self.catch_up <= 0.0 or any(previous):
+            return HYSTERESIS
+        return HYSTERESIS + self.catch_up / (REFRESH_STEPS * self.cost.seconds([0] * len(previous)))
 
     def _search_batch(self, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str], ks: Sequence[int]) -> None:
         """Keep a search's ks for its batch (under a padded cost). A search that finds the ks the
@@ -419,7 +430,8 @@ class AutoK:
     def observe_catch_up(self, ks: Sequence[int], drafted: Sequence[int], seconds: float) -> None:
         """A step in which the drafter first caught up on tokens it skipped (a draft model after
         steps at K = 0: an eager forward over them) took `seconds`: what it took beyond the
-        model's prediction is what a probe out of K = 0 costs on top (`_probe_interval`)."""
+        model's prediction is what a probe out of K = 0 costs on top (`_probe_interval`), and
+        what a choice to leave K = 0 must pay for (`_hysteresis`)."""
         extra = max(seconds - self.cost.seconds(ks, drafted), 0.0)
         self.catch_up = (1 - CATCH_UP_SMOOTHING) * self.catch_up + CATCH_UP_SMOOTHING * extra
 
