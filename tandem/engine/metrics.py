@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -70,7 +69,7 @@ class EngineMetrics:
         self.model_name = model_name
         self._children: dict[tuple, object] = {}  # see child
         self._labelled: dict[int, object] = {}  # see label
-        self._tallies: dict[str, _DraftTally] = {}  # the drafts counted since the last flush_drafts, by phase
+        self._tallies: dict[str, DraftCounts] = {}  # the drafts counted since the last flush_drafts, by phase
 
     def label(self, metric):  # noqa: ANN001, ANN201 - prometheus types
         """metric.labels(model_name=...), looked up once: every request of every step counts its
@@ -96,16 +95,15 @@ class EngineMetrics:
         draft were 8 us of host time a request a step (16 requests: 0.13 ms, on the CPU machine)."""
         tally = self._tallies.get(phase)
         if tally is None:
-            tally = self._tallies[phase] = _DraftTally()
+            tally = self._tallies[phase] = DraftCounts()
         tally.add(num_draft, num_accepted, expected)
 
     def flush_drafts(self) -> dict[str, DraftCounts]:
         """Add the tallied drafts to the counters (one update per counter and phase); returns them
         by phase, for the stats window."""
-        out = {}
-        for phase, tally in self._tallies.items():
+        out, self._tallies = self._tallies, {}
+        for phase, counts in out.items():
             labels = {"model_name": self.model_name, "phase": phase}
-            counts = out[phase] = tally.counts()
             if counts.num_predicted:
                 self.child(self.spec_predicted_accepted, **labels).inc(counts.expected_accepted)
             self.child(self.spec_drafts, **labels).inc(counts.num_drafts)
@@ -114,7 +112,6 @@ class EngineMetrics:
             for pos, n in enumerate(counts.accepted_per_pos):
                 if n:
                     self.child(self.spec_accepted_per_pos, **labels, position=str(pos)).inc(n)
-        self._tallies.clear()
         return out
 
     def count_k(self, phase: str, k: int, n: int = 1) -> None:
@@ -126,37 +123,6 @@ class EngineMetrics:
         self.label(self.spec_steps_timed).inc()
         self.label(self.spec_step_predicted).inc(predicted)
         self.label(self.spec_step_measured).inc(measured)
-
-
-class _DraftTally:
-    """One phase's verified drafts since the last flush: sums, and how many drafts accepted
-    exactly j tokens (the per-position counts are its suffix sums)."""
-
-    __slots__ = ("drafts", "draft_tokens", "accepted", "expected", "predicted", "by_accepted", "longest")
-
-    def __init__(self) -> None:
-        self.drafts = self.draft_tokens = self.accepted = self.predicted = self.longest = 0
-        self.expected = 0.0
-        self.by_accepted: list[int] = []
-
-    def add(self, num_draft: int, num_accepted: int, expected: float | None) -> None:
-        self.drafts += 1
-        self.draft_tokens += num_draft
-        self.accepted += num_accepted
-        if num_draft > self.longest:
-            self.longest = num_draft
-        if expected is not None:
-            self.expected += expected
-            self.predicted += 1
-        if num_accepted:
-            if len(self.by_accepted) < num_accepted:
-                self.by_accepted.extend([0] * (num_accepted - len(self.by_accepted)))
-            self.by_accepted[num_accepted - 1] += 1
-
-    def counts(self) -> DraftCounts:
-        per_pos = list(accumulate(reversed(self.by_accepted)))[::-1]
-        per_pos += [0] * (self.longest - len(per_pos))
-        return DraftCounts(self.drafts, self.draft_tokens, self.accepted, per_pos, self.expected, self.predicted)
 
 
 @dataclass
