@@ -144,6 +144,35 @@ def test_drafters_and_verify_steps_replay_cuda_graphs(method):
         assert _count(llm, "spec_decode_drafter_steps", "prefill") == 0
 
 
+def test_draft_model_chains_replay_graphs_and_give_its_greedy_tokens():
+    """The draft model's chained draft steps (ModelRunner.execute_chain) on CUDA graphs (fp32, so
+    padding a batch to its bucket cannot flip an argmax): each request gets its drafter's own greedy
+    continuation at its own K, before and after the target kept part of a draft, every drafter
+    forward a replay."""
+    from tandem.builtin import demo_model_dir
+    from tandem.core import Request
+
+    common = {"device": "cuda", "dtype": "float32", "kv_cache_memory": "256MiB", "max_num_seqs": 8}
+    llm = LLM(str(demo_model_dir()), speculative_config={"method": "draft_model", "num_speculative_tokens": 7},
+              **common)
+    proposer = llm.engine.spec.proposer
+    drafter = LLM(str(demo_model_dir() / "draft"), **common)
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reqs = [Request(f"chain-{i}", torch.randint(10, 4000, (n,), generator=g).tolist(), params)
+            for i, n in enumerate((9, 30, 64, 17, 5))]
+    for ks in ([7, 1, 3, 0, 5], [2, 6, 0, 7, 4]):
+        drafts = proposer.propose(reqs, ks)
+        for req, k, d in zip(reqs, ks, drafts):
+            want = drafter.generate([req.all_token_ids], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
+                                    )[0].token_ids if k else []
+            assert d.tokens == want, (req.request_id, k)
+        for req, d in zip(reqs, drafts):
+            req.output_token_ids += d.tokens[:1] + [(d.tokens[1] + 1) % 100 if len(d.tokens) > 1 else 7]
+    assert _count(llm, "spec_decode_drafter_steps", "eager") == 0
+    assert _count(llm, "spec_decode_drafter_steps", "cuda_graph") >= 6 + 6
+
+
 @pytest.mark.parametrize("spec", [None, {"method": "dspark", "num_speculative_tokens": 3}])
 def test_structured_output_masks_graph_logits_on_cuda(spec):
     """A json_schema grammar on the demo (bf16, CUDA graphs, with and without DSpark): every answer

@@ -219,3 +219,31 @@ def test_drafter_methods_default_to_three_tokens_and_the_demos_drafters():
     llm = LLM(str(DEMO), speculative_config={"method": "dspark"}, **COMMON)
     assert llm.engine.spec.config.num_speculative_tokens == 3
     assert llm.engine.spec.drafter_path == DEMO / "dspark"
+
+
+def test_draft_model_chains_its_drafters_greedy_tokens(prompts):
+    """The draft steps after the first run chained (ModelRunner.execute_chain, eager here): each
+    request gets its drafter's own greedy continuation at its own K, again after the target kept
+    part of a draft and corrected the rest, and a one-token K or a K of 0 leave the others as they
+    are; the drafter's cache is all free after."""
+    from tandem.core import Request
+
+    llm = make("draft_model", spec={"num_speculative_tokens": 7})
+    proposer = llm.engine.spec.proposer
+    drafter = LLM(str(DEMO / "draft"), **COMMON)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def continuation(ids: list[int], n: int) -> list[int]:
+        return drafter.generate([ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
+
+    reqs = [Request(f"chain-{i}", list(p), params) for i, p in enumerate(prompts)]
+    for ks in ([7, 1, 3, 0, 5], [2, 6, 0, 7, 4]):
+        drafts = proposer.propose(reqs, ks)
+        for req, k, d in zip(reqs, ks, drafts):
+            assert d.tokens == (continuation(req.all_token_ids, k) if k else []), (req.request_id, k)
+            assert d.probs is None
+        for req, d in zip(reqs, drafts):  # the target keeps the first draft (if any), then its own token
+            req.output_token_ids += d.tokens[:1] + [(d.tokens[1] + 1) % 100 if len(d.tokens) > 1 else 7]
+    for req in reqs:
+        proposer.remove(req.request_id)
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks and not proposer.kv.req_blocks

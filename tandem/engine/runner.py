@@ -39,6 +39,7 @@ import torch
 
 from tandem.core import GroupState, StepMetadata
 from tandem.engine.runner_ahead import AHEAD_FIELDS, AheadHooks, AheadRunning
+from tandem.engine.runner_chain import ChainRunning
 from tandem.engine.scheduler import ScheduledRequest
 from tandem.engine.static_inputs import StaticInputs, host_to_device
 from tandem.kernels.moe_grouped import GroupedMoEExecutor
@@ -128,7 +129,7 @@ class ForwardOutput:
         return self.mode == "cuda_graph"
 
 
-class ModelRunner(AheadRunning):
+class ModelRunner(AheadRunning, ChainRunning):
     def __init__(self, model: CausalLM, kv: KVCacheManager, device: torch.device,
                  aux_layers: tuple[int, ...] = ()) -> None:
         self.model = model

@@ -27,6 +27,7 @@ import torch
 from tandem.core import Request
 from tandem.engine.runner import ModelRunner, allocate_kv_caches
 from tandem.engine.scheduler import ScheduledRequest
+from tandem.engine.static_inputs import host_to_device
 from tandem.kv.manager import KVCacheManager
 from tandem.kv.spec import group_layers
 from tandem.models.base import CausalLM
@@ -118,33 +119,61 @@ class DraftModelProposer:
 
     # -- the proposer interface ---------------------------------------------------------------
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        """Request i's next ks[i] tokens from the drafter. One forward feeds each request what its
+        drafter has not seen (the target's correction and last accepted draft, or a catch-up);
+        the remaining ks[i] - 1 draft steps run chained on the device (`ModelRunner.execute_chain`),
+        each fed the tokens picked from the previous step's logits, and the drafts reach the host
+        once, at the end."""
         if len(requests) != len(ks):
             raise ValueError(f"propose needs one k per request, got {len(ks)} for {len(requests)} requests")
         drafts: list[Draft] = [Draft([]) for _ in requests]
         active = [i for i, k in enumerate(ks) if k > 0]
         shadows = {i: self._sync(requests[i]) for i in active}
-        tokens: dict[int, list[int]] = {i: [] for i in active}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         rows = self._feed([shadows[i] for i in active])  # logits after each request's last token
-        step = 0
-        while active:
-            live = [i for i, row in zip(active, rows) if row is not None]
-            if not live:
-                break
-            chosen = self._choose([requests[i] for i in live], torch.stack([r for r in rows if r is not None]))
-            for i, (tok, q) in zip(live, chosen):
-                tokens[i].append(tok)
-                if q is not None:
-                    probs[i].append(q)
-                sh = shadows[i]
-                sh.drafts.append(tok)
-                sh.seq.output_token_ids.append(tok)
-            step += 1
-            active = [i for i in live if ks[i] > step]
-            rows = self._feed([shadows[i] for i in active]) if active else []
-        for i, toks in tokens.items():
-            if toks:
-                drafts[i] = Draft(toks, torch.stack(probs[i]) if probs[i] else None)
+        fed = [i for i, row in zip(active, rows) if row is not None]
+        if not fed:
+            return drafts
+        first, first_q = self._pick([requests[i] for i in fed], torch.stack([r for r in rows if r is not None]))
+        chain = [i for i in fed if ks[i] > 1 and self._reserve(shadows[i], ks[i] - 1)]
+        picked: list[tuple[torch.Tensor, list[torch.Tensor | None]]] = []
+        if chain:
+            reqs, lives = [requests[i] for i in chain], [ks[i] - 1 for i in chain]
+
+            def pick(j: int, logits: torch.Tensor) -> torch.Tensor:
+                tokens, qs = self._pick(reqs, logits, [life > j for life in lives])
+                picked.append((tokens, qs))
+                return tokens
+
+            at = {i: r for r, i in enumerate(fed)}
+            rows_of_chain = host_to_device([at[i] for i in chain], torch.int64, self.device)
+            batch = [ScheduledRequest.of(shadows[i].seq, 1) for i in chain]
+            mode = self.runner.execute_chain(batch, first.index_select(0, rows_of_chain), lives, pick)
+            for _ in range(max(lives)):
+                self.count_forward(mode)
+        host = torch.cat([first] + [tokens for tokens, _ in picked]).tolist()  # the proposal's one host sync
+        tokens = {i: [host[r]] for r, i in enumerate(fed)}
+        probs = {i: [q] for i, q in zip(fed, first_q)}
+        offset = len(fed)
+        for _, qs in picked:
+            for r, i in enumerate(chain):
+                if len(tokens[i]) < ks[i]:
+                    tokens[i].append(host[offset + r])
+                    probs[i].append(qs[r])
+            offset += len(chain)
+        chained = set(chain)
+        for i in fed:
+            sh, toks = shadows[i], tokens[i]
+            seq = sh.seq
+            if i in chained:  # its placeholder becomes the first draft; all but the last were fed
+                del seq.output_token_ids[-1]
+                seq.num_computed_tokens += len(toks) - 1
+            sh.drafts = list(toks)
+            seq.output_token_ids.extend(toks)
+            if i in chained:
+                assert self.kv is not None
+                self.kv.commit(seq)
+            qs = [q for q in probs[i] if q is not None]
+            drafts[i] = Draft(toks, torch.stack(qs) if qs else None)
         return drafts
 
     def observe(self, batch: Sequence[ScheduledRequest], kept: Sequence[int], aux: torch.Tensor | None) -> None:
@@ -234,16 +263,30 @@ class DraftModelProposer:
                     pending.remove(i)
         return rows
 
-    def _choose(self, reqs: Sequence[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
-        """One draft token per request from the drafter's logits [N, V]: the argmax for a greedy
-        request (q one-hot: None), else a draw from softmax(logits / temperature) with that q."""
+    def _reserve(self, sh: _Shadow, n: int) -> bool:
+        """Room in the drafter's cache for a chain of n draft steps after the shadow's computed
+        tokens, behind a placeholder for its first draft (the chain's first query token). False,
+        changing nothing, when the cache is full: the request drafts one token this step."""
+        assert self.kv is not None
+        if not self.kv.allocate_slots(sh.seq, n):
+            logger.debug("draft model KV cache full: one draft for %s this step", sh.seq.request_id)
+            return False
+        sh.seq.output_token_ids.append(0)
+        return True
+
+    def _pick(self, reqs: Sequence[Request], logits: torch.Tensor, rows: Sequence[bool] | None = None
+              ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """One draft token per request from the drafter's logits [N, V], on the device: the argmax
+        for a greedy request (q one-hot: None), else a draw from softmax(logits / temperature),
+        with that q. `rows[j]` False: request j takes no draw (its row is not used; its generator
+        is not advanced)."""
         greedy = [r.params.greedy for r in reqs]
-        top = logits.argmax(dim=-1).tolist() if any(greedy) else []  # the step's one host sync
-        chosen: list[tuple[int, torch.Tensor | None]] = []
+        tokens = logits.argmax(dim=-1) if any(greedy) else logits.new_zeros(len(reqs), dtype=torch.int64)
+        qs: list[torch.Tensor | None] = [None] * len(reqs)
         for j, req in enumerate(reqs):
-            if greedy[j]:
-                chosen.append((top[j], None))
+            if greedy[j] or (rows is not None and not rows[j]):
                 continue
             q = torch.softmax(logits[j].float() / req.params.temperature, dim=-1)
-            chosen.append((int(torch.multinomial(q, 1, generator=self.generator_for(req))), q))
-        return chosen
+            tokens[j : j + 1].copy_(torch.multinomial(q, 1, generator=self.generator_for(req)))
+            qs[j] = q
+        return tokens, qs
