@@ -1,10 +1,11 @@
 """The CPU expert kernel (tandem/offload/cpu_experts.py) against its torch reference, on every ISA
-this CPU runs (scalar and avx2 always; avx512 / avx512bf16 where present) and every format.
+this CPU runs (scalar and avx2 always; avx512 / avx512bf16 / amx where present; amx also built
+with its tile operations emulated, where avx512bf16 is present) and every format.
 
 Tolerances, as a share of max|reference| unless said otherwise:
 - fp32 hidden: 1e-5 (fp32 math, only the summation order differs);
 - bf16 hidden, fp32 intermediate: the output's bf16 rounding, 2^-8 of each element, + 1e-5;
-- bf16 hidden on avx512bf16 with bf16 / int4 / mxfp4 weights (bf16 intermediate): 1e-2;
+- bf16 hidden on avx512bf16 / amx with bf16 / int4 / mxfp4 weights (bf16 intermediate): 1e-2;
 - int8 activations against the int8 reference: 1e-5, plus one int8 step of the intermediate
   wherever it sits at a rounding boundary (test_int8_activations_match_reference says why).
 """
@@ -19,7 +20,8 @@ import torch
 from tandem.offload import cpu_build
 from tandem.offload import cpu_experts as ce
 
-ALL_ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+ALL_ISAS = ("scalar", "avx2", "avx512", "avx512bf16", "amx")
+BF16_ISAS = ("avx512bf16", "amx")  # bf16 activations with bf16 / int4 / mxfp4 weights: a bf16 intermediate
 
 
 @pytest.fixture(params=ALL_ISAS)
@@ -82,7 +84,7 @@ def test_matches_reference(isa, fmt):
             assert y.dtype == dtype and y.shape == (t, h)
             bf16 = dtype == torch.bfloat16
             _assert_close(y, ce.reference_moe(x, ids, w, *dq), bf16_out=bf16,
-                          bf16_intermediate=bf16 and isa == "avx512bf16" and fmt in ("bf16", "int4", "mxfp4"))
+                          bf16_intermediate=bf16 and isa in BF16_ISAS and fmt in ("bf16", "int4", "mxfp4"))
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "mxfp4"])
@@ -97,7 +99,7 @@ def test_expert_id_minus_one_skips_the_pair(isa, fmt):
     skip[2] = True
     y = layer(x, ids.masked_fill(skip, -1), w)
     _assert_close(y, ce.reference_moe(x, ids, w.masked_fill(skip, 0), *layer.dequantized()), bf16_out=False,
-                  bf16_intermediate=isa == "avx512bf16" and fmt != "fp32")
+                  bf16_intermediate=isa in BF16_ISAS and fmt != "fp32")
     assert torch.equal(y[2], torch.zeros(h))
     with pytest.raises(ValueError, match=f"outside 0..{e - 1} \\(-1: skip\\)"):
         layer(x, ids.masked_fill(skip, -2), w)
@@ -141,7 +143,7 @@ def test_swiglu_clamp_matches_reference(isa, fmt):
         assert (ref - unclamped).abs().max().item() > 0.1 * scale  # far above the tolerance below
         y = layer(x, ids, w)
         bf16 = dtype == torch.bfloat16
-        bf16_intermediate = bf16 and isa == "avx512bf16" and fmt in ("bf16", "mxfp4")
+        bf16_intermediate = bf16 and isa in BF16_ISAS and fmt in ("bf16", "mxfp4")
         _assert_close(y, ref, bf16_out=bf16, bf16_intermediate=bf16_intermediate)
 
 
@@ -630,3 +632,38 @@ def test_int8_quantisation_rounds_half_to_even():
     assert (q[0, 0, len(TIES):] == 0).all()  # the padding
     q, d = ce.quantize_int8_activations(torch.zeros(1, 40))
     assert (d == 0).all() and (q == 0).all()
+
+
+# ---- AMX's data layout, on any CPU with avx512bf16 ------------------------------------------------
+
+@pytest.fixture
+def emulated_amx(monkeypatch):
+    """cpu_experts on the library built with TANDEM_AMX_EMULATE (the tile operations in plain C++,
+    the rest of the AMX path as it is: the decode into tiles, the token-major activations), ISA amx;
+    the real library again after."""
+    if "avx512bf16" not in ce.supported_isas():
+        pytest.skip("the AMX path decodes with avx512bf16, which this CPU lacks")
+    monkeypatch.setattr(ce, "load_library", lambda: cpu_build.load_library(extra_flags=("-DTANDEM_AMX_EMULATE",)))
+    ce._lib.cache_clear()
+    try:
+        ce.set_isa("amx")
+        yield
+    finally:
+        ce._lib.cache_clear()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_emulated_amx_matches_reference(emulated_amx, fmt, threads):
+    """The AMX kernels' tiles and token-major activations against the torch reference: 1 to 40
+    tokens an expert (one token takes vdpbf16ps; 16 at a time take the tiles, then the rest), block
+    counts that leave a partial group of four, 1-3 threads with claimed chunks."""
+    assert ce.kernel_isa() == "amx"
+    for e, h, i in [(3, 160, 96), (2, 96, 64)]:
+        layer = ce.CpuExpertLayer.from_dense(*_weights(e, h, i), fmt)
+        dq = layer.dequantized()
+        for n, (t, nthreads) in enumerate([(1, 1), (2, 2), (3, 1), (9, 3), (20, 2), (60, 3)]):
+            threads(nthreads)
+            x = torch.randn(t, h, generator=torch.Generator().manual_seed(n)).bfloat16()
+            ids, w = _routing(t, 2, e, seed=n)
+            y = layer(x, ids, w)
+            _assert_close(y, ce.reference_moe(x, ids, w, *dq), bf16_out=True, bf16_intermediate=True)

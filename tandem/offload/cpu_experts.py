@@ -9,9 +9,10 @@ Formats: fp32 (exact; what CI checks), bf16 (Qwen3's checkpoint dtype), int8 (pe
 int4 (groups of 32 inputs, bf16 scales) — both lossy conversions of a bf16 checkpoint, opt-in —
 and mxfp4 (E2M1 codes with E8M0 scales per 32 inputs: DeepSeek-V4-Flash's own expert format,
 kept as stored). Math is fp32: activations are widened, weights decoded in registers, the SwiGLU
-intermediate fp32 — except on ISA "avx512bf16" with a bf16 hidden state and bf16 / int4 / mxfp4
-weights, where vdpbf16ps takes the bf16 activations as they are and the intermediate is rounded to
-bf16 (as the bf16 model on the GPU rounds it); `set_isa("avx512")` keeps that path fp32.
+intermediate fp32 — except on ISAs "avx512bf16" and "amx" with a bf16 hidden state and bf16 / int4 /
+mxfp4 weights, where vdpbf16ps (and for int4 / mxfp4 with two or more tokens an expert, AMX's
+tdpbf16ps) takes the bf16 activations as they are and the intermediate is rounded to bf16 (as the
+bf16 model on the GPU rounds it); `set_isa("avx512")` keeps that path fp32.
 
 Activations: `act_dtype="auto"` (the default) is the math above. `act_dtype="int8"` (int4 and
 mxfp4 weights only) is a LOSSY mode that trades activation precision for decode speed: the hidden
@@ -27,7 +28,7 @@ silu(min(gate, limit)) * clamp(up, -limit, limit), on every ISA; without one the
 
 The kernel library is compiled on first use (tandem/offload/cpu_build.py). Debugging switches,
 read once when it loads (results do not depend on the prefetch ones):
-  TANDEM_CPU_ISA          scalar | avx2 | avx512 | avx512bf16: force an ISA;
+  TANDEM_CPU_ISA          scalar | avx2 | avx512 | avx512bf16 | amx: force an ISA;
   TANDEM_CPU_PREFETCH_L1  bytes ahead of the weight stream the AVX-512 kernels prefetch into L1
                           (default 4096; 0 off);
   TANDEM_CPU_PREFETCH_L2  bytes ahead they prefetch into L2 only (default 16384; 0 off).
@@ -56,7 +57,7 @@ __all__ = [
 
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "mxfp4")
 LOSSY_FORMATS: frozenset[str] = frozenset({"int8", "int4"})  # conversions that change a bf16 checkpoint's weights
-ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512bf16")  # the kernel's ISA codes, in order
+ISAS: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512bf16", "amx")  # the kernel's ISA codes, in order
 ACT_DTYPES: tuple[str, ...] = ("auto", "int8")  # activation modes, in the kernel's code order (ActDtype)
 INT8_ACT_FORMATS: tuple[str, ...] = ("int4", "mxfp4")  # the weight formats act_dtype "int8" covers
 
@@ -156,7 +157,7 @@ def supported_isas() -> tuple[str, ...]:
 
 
 def kernel_isa() -> str:
-    """The ISA the loaded kernel dispatches to: "avx512bf16" | "avx512" | "avx2" | "scalar"."""
+    """The ISA the loaded kernel dispatches to: "amx" | "avx512bf16" | "avx512" | "avx2" | "scalar"."""
     return ISAS[_lib().tandem_get_isa()]
 
 

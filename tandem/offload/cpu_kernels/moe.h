@@ -47,7 +47,7 @@ constexpr int kRows = 16;   // weight rows per tile (one 512-bit vector of fp32)
 constexpr int kBlock = 32;  // input elements per block: the int4 / mxfp4 scale group
 
 enum Fmt : int { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_MXFP4 = 4, FMT_COUNT = 5 };
-enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_COUNT = 4 };
+enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, ISA_AMX = 4, ISA_COUNT = 5 };
 
 // Inline code in this header sits in an unnamed namespace: each file compiles its own copy with
 // its own -m flags, and the linker must never merge an AVX-512 copy into the portable code.
@@ -132,12 +132,18 @@ struct Kernels {
     // Streams [buf, buf + n) (n a multiple of 256, buf 64-aligned) and returns a value that
     // depends on every byte, so the reads cannot be dropped.
     uint64_t (*read)(const uint8_t* buf, int64_t n);
+    // bf16 kernels that take their activations token-major (the AMX ones: a tile's rows are
+    // tokens): x[t * ld + i] is bf16 pair i of token t, where the others read x[i * ld + t].
+    bool bf16_token_major[FMT_COUNT];
 };
 
 const Kernels* kernels_scalar();
 const Kernels* kernels_avx2();        // only on CPUs with avx2+fma+f16c
 const Kernels* kernels_avx512();      // only with avx512f/bw/vl/dq
 const Kernels* kernels_avx512bf16();  // only with avx512bf16 as well
+const Kernels* kernels_amx();         // only with avx512bf16, amx-tile, amx-bf16 and the OS's leave to use them
+// Asks Linux for leave to use AMX tiles in this process (once; every thread then may).
+bool amx_permitted();
 // The AVX-512 tables' i8 kernels use vpdpbusd: call them only where the CPU has avx512vnni too
 // (moe_common.cpp runs the AVX2 ones otherwise).
 

@@ -18,9 +18,18 @@
 // int8 activations (the lossy activation mode, int4 / mxfp4 weights; moe.h): vpshufb to biased
 // bytes and vpdpbusd, integer sums per block, on CPUs with avx512vnni (below).
 //
-// No AMX: at 1-8 tokens per expert the decode is the cost, not the products (an AMX path for one
-// token, tried, was no faster: BENCHMARKS.md).
+// AMX (ISA amx, int4 / mxfp4 weights with bf16 activations, 2 or more tokens): the decode above
+// fills a tile of 16 input pairs x 16 rows in memory, and one tdpbf16ps multiplies it by every
+// token's 32 inputs (tokens as the tile rows, so these kernels read token-major activations). At
+// one token the decode is the cost, not the products (an AMX path for one token, tried, was no
+// faster: BENCHMARKS.md, session 12), and one token runs the avx512bf16 kernel; from two on,
+// vdpbf16ps repeats the products per token (one thread's exact MXFP4 read 10.1 GB/s at 1 token,
+// 4.5 at 4: session 16), where the tile unit takes up to 16 tokens in one instruction.
+// TANDEM_AMX_EMULATE builds the tile operations in plain C++ (a test checks this path's data
+// layout on CPUs without AMX); the ISA then needs only avx512bf16.
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "moe.h"
 
@@ -329,6 +338,167 @@ struct NibblesI8 {
     };
 };
 
+// ---- AMX: int4 / mxfp4 weights, bf16 activations token-major, x[t * ld + i] = pair i of token t.
+
+// The tiles: activations A0, A1 (tb tokens x 16 pairs), decoded weights B0, B1 (16 pairs x 16
+// rows as bf16 pairs), products C0..C3 (tb tokens x 16 rows, fp32). Block j of a group of four
+// uses A and B (j % 2) and C j, so consecutive products do not wait on each other's tiles.
+// product<j>(a, lda, b): C j = A (j % 2) x B (j % 2), loaded from a (row stride lda) and b;
+// store<j>(p): C j to p, 64 bytes a row. (GCC's tile intrinsics take literal tile numbers.)
+constexpr int kGroup = 4;           // blocks decoded a group ahead of their products
+constexpr int kPairTile = 16 * 64;  // bytes of one decoded block (tile B)
+constexpr bool is_b_tile(int t) { return t == 2 || t == 3; }
+
+#ifdef TANDEM_AMX_EMULATE
+#define TANDEM_AMX TANDEM_BF16
+// The tile registers and operations in plain C++: what a test runs where the CPU has no AMX.
+struct TileRegs {
+    alignas(64) uint8_t data[8][16][64];
+    uint8_t rows[8];
+    uint16_t colsb[8];
+};
+thread_local TileRegs t_regs;
+inline void tile_config(const uint8_t* cfg) {
+    for (int i = 0; i < 8; ++i) {
+        std::memcpy(&t_regs.colsb[i], cfg + 16 + 2 * i, 2);
+        t_regs.rows[i] = cfg[48 + i];
+    }
+    std::memset(t_regs.data, 0, sizeof t_regs.data);
+}
+inline void tile_load(int t, const void* p, int64_t stride) {
+    for (int r = 0; r < t_regs.rows[t]; ++r)
+        std::memcpy(t_regs.data[t][r], static_cast<const uint8_t*>(p) + r * stride, t_regs.colsb[t]);
+}
+inline float bf16_at(const uint8_t* row, int i) {
+    uint32_t u = uint32_t(row[2 * i] | row[2 * i + 1] << 8) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+// C[m][n] = sum over pairs k of A[m][2k] B[k][2n] + A[m][2k+1] B[k][2n+1] (fp32 sums; C zeroed first).
+inline void tile_dot(int c, int a, int b) {
+    for (int m = 0; m < t_regs.rows[c]; ++m)
+        for (int n = 0; n < t_regs.colsb[c] / 4; ++n) {
+            float sum = 0.0f;
+            for (int k = 0; k < t_regs.colsb[a] / 4; ++k)
+                sum += bf16_at(t_regs.data[a][m], 2 * k) * bf16_at(t_regs.data[b][k], 2 * n) +
+                       bf16_at(t_regs.data[a][m], 2 * k + 1) * bf16_at(t_regs.data[b][k], 2 * n + 1);
+            std::memcpy(&t_regs.data[c][m][4 * n], &sum, 4);
+        }
+}
+template <int J>
+inline void product(const void* a, int64_t lda, const void* b) {
+    tile_load(J % 2, a, lda);
+    tile_load(2 + J % 2, b, 64);
+    tile_dot(4 + J, J % 2, 2 + J % 2);
+}
+template <int J>
+inline void store(void* p) {
+    for (int r = 0; r < t_regs.rows[4 + J]; ++r) std::memcpy(static_cast<uint8_t*>(p) + 64 * r, t_regs.data[4 + J][r], 64);
+}
+#else
+#define TANDEM_AMX __attribute__((target("avx512bf16,amx-tile,amx-bf16")))
+TANDEM_AMX inline void tile_config(const uint8_t* cfg) { _tile_loadconfig(cfg); }
+template <int J>
+TANDEM_AMX void product(const void* a, int64_t lda, const void* b);
+template <int J>
+TANDEM_AMX void store(void* p);
+#define TANDEM_AMX_TILES(J, A, B, C)                                                     \
+    template <>                                                                         \
+    TANDEM_AMX inline void product<J>(const void* a, int64_t lda, const void* b) {      \
+        _tile_zero(C);                                                                  \
+        _tile_loadd(A, a, lda);                                                         \
+        _tile_loadd(B, b, 64);                                                          \
+        _tile_dpbf16ps(C, A, B);                                                        \
+    }                                                                                   \
+    template <>                                                                         \
+    TANDEM_AMX inline void store<J>(void* p) { _tile_stored(C, p, 64); }
+TANDEM_AMX_TILES(0, 0, 2, 4)
+TANDEM_AMX_TILES(1, 1, 3, 5)
+TANDEM_AMX_TILES(2, 0, 2, 6)
+TANDEM_AMX_TILES(3, 1, 3, 7)
+#undef TANDEM_AMX_TILES
+#endif
+
+// Loads the tile shapes for tb tokens. At every kernel call: the calling thread may have run
+// other AMX code (torch's oneDNN) since its last one.
+TANDEM_AMX inline void configure(int tb) {
+    alignas(64) uint8_t cfg[64] = {};
+    cfg[0] = 1;  // palette 1
+    for (int t = 0; t < 8; ++t) {
+        const uint16_t colsb = 64;
+        std::memcpy(cfg + 16 + 2 * t, &colsb, 2);
+        cfg[48 + t] = uint8_t(is_b_tile(t) ? 16 : tb);
+    }
+    tile_config(cfg);
+}
+
+template <int Fmt>
+struct NibblesAmx {
+    // Block b's 16 pairs x 16 rows as bf16 (vdpbf16ps's weight vectors, in pair order) into dst.
+    TANDEM_AMX static void decode(const uint8_t* blk, __m512i table, const Prefetch& pf, uint8_t* dst) {
+        pf.lines<kBlockLines>(blk);
+        const uint8_t* codes = blk + block_scale_bytes(Fmt);
+#pragma GCC unroll 4
+        for (int o = 0; o < kBlock / 8; ++o) {
+            const __m512i v = _mm512_loadu_si512(codes + o * 4 * kRows);
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; ++q)
+                _mm512_store_si512(dst + (4 * o + q) * 64, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * q), table));
+        }
+    }
+
+    template <int TB>
+    TANDEM_AMX static void tiles(const uint8_t* tile, int64_t nb, const uint32_t* x, int64_t ld, float* out) {
+        const __m512i table = _mm512_load_si512(Fmt == FMT_INT4 ? kInt4Bf16 : kFp4Bf16);
+        const Prefetch pf;
+        configure(TB);
+        alignas(64) uint8_t decoded[2][kGroup][kPairTile];
+        alignas(64) float prod[kGroup][TB * kRows];
+        __m512 acc[TB];
+        zero(acc, TB);
+        const int64_t bb = block_bytes(Fmt);
+        for (int64_t j = 0; j < kGroup && j < nb; ++j) decode(tile + j * bb, table, pf, decoded[0][j]);
+        for (int64_t g = 0, h = 0; g < nb; g += kGroup, h ^= 1) {
+            const int64_t n = nb - g < kGroup ? nb - g : kGroup;
+            const uint32_t* xg = x + g * (kBlock / 2);  // block g's 16 pairs of every token
+            product<0>(xg, ld * 4, decoded[h][0]);
+            if (n > 1) product<1>(xg + kBlock / 2, ld * 4, decoded[h][1]);
+            if (n > 2) product<2>(xg + kBlock, ld * 4, decoded[h][2]);
+            if (n > 3) product<3>(xg + 3 * kBlock / 2, ld * 4, decoded[h][3]);
+            store<0>(prod[0]);
+            if (n > 1) store<1>(prod[1]);
+            if (n > 2) store<2>(prod[2]);
+            if (n > 3) store<3>(prod[3]);
+            // The next group's decode runs while the tile unit works on this one's products.
+            for (int64_t j = 0; j < kGroup && g + kGroup + j < nb; ++j)
+                decode(tile + (g + kGroup + j) * bb, table, pf, decoded[h ^ 1][j]);
+            for (int64_t j = 0; j < n; ++j) {
+                const __m512 scale = block_scale<Fmt>(tile + (g + j) * bb);
+#pragma GCC unroll 16
+                for (int t = 0; t < TB; ++t)
+                    acc[t] = _mm512_fmadd_ps(_mm512_load_ps(prod[j] + t * kRows), scale, acc[t]);
+            }
+        }
+        for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + t * kRows, acc[t]);
+    }
+
+    // ntok tokens, token-major: 16 at a time through the tiles, a single one through vdpbf16ps
+    // (its pairs are contiguous: the column-major kernel with ld = 1).
+    template <int TB>
+    struct K {
+        TANDEM_AMX static void run(const uint8_t* tile, int64_t nb, const uint32_t* x, int64_t ld, float* out) {
+            if constexpr (TB == 1) NibblesDot<Fmt>::template K<1>::run(tile, nb, x, 1, out);
+            else tiles<TB>(tile, nb, x, ld, out);
+        }
+    };
+    static void drive(const uint8_t* tile, int64_t nb, const void* xv, int64_t ld, int ntok, float* out) {
+        const uint32_t* x = static_cast<const uint32_t*>(xv);
+        for (; ntok >= 16; ntok -= 16, x += 16 * ld, out += 16 * kRows) K<16>::run(tile, nb, x, ld, out);
+        Remainder<K, 15>::run(ntok, tile, nb, x, ld, out);
+    }
+};
+
 uint64_t read_avx512(const uint8_t* buf, int64_t n) {
     __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int64_t i = 0; i < n; i += 256)
@@ -355,10 +525,18 @@ const Kernels kAvx512Bf16 = {
     TANDEM_I8_TABLE,
     read_avx512,
 };
+const Kernels kAmx = {
+    TANDEM_F32_TABLE,
+    {nullptr, drive<Bf16Dot, 12, uint32_t>, nullptr, NibblesAmx<FMT_INT4>::drive, NibblesAmx<FMT_MXFP4>::drive},
+    TANDEM_I8_TABLE,
+    read_avx512,
+    {false, false, false, true, true},
+};
 
 }  // namespace
 
 const Kernels* kernels_avx512() { return &kAvx512; }
 const Kernels* kernels_avx512bf16() { return &kAvx512Bf16; }
+const Kernels* kernels_amx() { return &kAmx; }
 
 }  // namespace tandem

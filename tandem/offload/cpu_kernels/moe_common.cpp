@@ -49,6 +49,17 @@ namespace tandem {
 
 Tuning g_tuning;
 
+bool amx_permitted() {
+#if defined(__x86_64__) && !defined(TANDEM_SCALAR_ONLY)
+    // Linux (5.16+) hands out the tile state per process on request: ARCH_REQ_XCOMP_PERM for
+    // XFEATURE_XTILEDATA. Without it the first tile instruction is a SIGILL.
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+#else
+    return false;
+#endif
+}
+
 namespace {
 
 constexpr int kChunk = 512;            // tokens per pass (bounds the gathered activations)
@@ -312,6 +323,13 @@ bool isa_supported(int isa) {
     case ISA_AVX2: return avx2;
     case ISA_AVX512: return avx512;
     case ISA_AVX512BF16: return avx512 && __builtin_cpu_supports("avx512bf16");
+#ifdef TANDEM_AMX_EMULATE
+    case ISA_AMX: return avx512 && __builtin_cpu_supports("avx512bf16");
+#else
+    case ISA_AMX:
+        return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+               __builtin_cpu_supports("amx-bf16") && amx_permitted();
+#endif
     }
     return false;
 #else
@@ -334,6 +352,7 @@ const Kernels* kernels_for(int isa) {
     case ISA_AVX2: return kernels_avx2();
     case ISA_AVX512: return kernels_avx512();
     case ISA_AVX512BF16: return kernels_avx512bf16();
+    case ISA_AMX: return kernels_amx();
     }
 #endif
     return kernels_scalar();
@@ -342,7 +361,7 @@ const Kernels* kernels_for(int isa) {
 // The int8-activation kernels of an ISA: the AVX-512 ones use vpdpbusd, so an AVX-512 CPU without
 // VNNI runs the AVX2 ones (vpmaddubsw).
 const TileFn* int8_kernels(int isa) {
-    if ((isa == ISA_AVX512 || isa == ISA_AVX512BF16) && !vnni_supported()) return kernels_for(ISA_AVX2)->i8;
+    if (isa >= ISA_AVX512 && !vnni_supported()) return kernels_for(ISA_AVX2)->i8;
     return kernels_for(isa)->i8;
 }
 
@@ -441,6 +460,7 @@ struct Plan {
     Geometry g;
     TileFn fn;
     Acts acts;
+    bool tmajor;               // the kernel reads its bf16 activations token-major (Kernels::bf16_token_major)
     int64_t t0, T, k;          // this chunk: tokens [t0, t0 + T)
     int64_t x_rows, a_rows;    // 4-byte words per token of the gathered activations / intermediate
     int64_t q_rows;            // int8: 4-byte words per token of the quantised intermediate
@@ -468,6 +488,15 @@ float weight_at(const tandem_call* c, int64_t i) {
 int64_t id_at(const tandem_call* c, int64_t i) {
     return c->ids_dtype == DT_I32 ? static_cast<const int32_t*>(c->ids)[i] : static_cast<const int64_t*>(c->ids)[i];
 }
+
+// Where word i of token j sits in an expert's activations (or intermediate) of `rows` words per
+// token and n tokens: column-major [rows][n], or token-major [n][rows] for a kernel that reads
+// that (Plan::tmajor); token j's first word as the kernels take it, and their ld.
+inline int64_t word_at(const Plan& p, int64_t rows, int64_t n, int64_t i, int64_t j) {
+    return p.tmajor ? j * rows + i : i * n + j;
+}
+inline int64_t token_offset(const Plan& p, int64_t rows, int64_t j) { return p.tmajor ? j * rows : j * p.tok_words; }
+inline int64_t kernel_ld(const Plan& p, int64_t rows, int64_t n) { return p.tmajor ? rows : n; }
 
 // Element h of pair q's hidden state (chunk-relative token) as fp32; 0 past H.
 inline float hidden_at(const Plan& p, int64_t q, int64_t h) {
@@ -507,17 +536,21 @@ void phase0_gather(const Plan& p, int tid, int nthreads) {
                     for (int i = 0; i < kBlock; ++i) v[i] = hidden_at(p, q0 + j, b * kBlock + i);
                     quantize_block(v, q8_bias(p.g.fmt), x + b * n + j);
                 }
+        } else if (p.tmajor) {
+            uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows;
+            for (int64_t j = 0; j < cols; ++j)
+                for (int64_t h = 0; h < p.x_rows; ++h) x[word_at(p, p.x_rows, n, h, j0 + j)] = activation(p, q0 + j, h);
         } else {
-            uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows + j0;
+            uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows;
             for (int64_t h = 0; h < p.x_rows; ++h)
-                for (int64_t j = 0; j < cols; ++j) x[h * n + j] = activation(p, q0 + j, h);
+                for (int64_t j = 0; j < cols; ++j) x[word_at(p, p.x_rows, n, h, j0 + j)] = activation(p, q0 + j, h);
         }
         // Intermediate rows past the last gate/up tile are never written: zero them (the down
         // weights there are zero, but 0 * garbage may be NaN, and int8 quantises whole blocks).
         // 0u is also 0.0f.
-        uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows + j0;
+        uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
         for (int64_t i = p.g.tiles1 * kRows / 2 / (p.acts == ACTS_BF16 ? 2 : 1); i < p.a_rows; ++i)
-            for (int64_t j = 0; j < cols; ++j) act[i * n + j] = 0;
+            for (int64_t j = 0; j < cols; ++j) act[word_at(p, p.a_rows, n, i, j0 + j)] = 0;
         q0 += cols;
     }
 }
@@ -570,14 +603,14 @@ int64_t gate_up_tiles(const Plan& p, int64_t t0, int64_t t1) {
         uint32_t* act = p.act + int64_t(p.start[a]) * p.a_rows;
         for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
             const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
-            p.fn(w, p.g.nb_h, x + c0 * p.tok_words, n, cnt, out);
+            p.fn(w, p.g.nb_h, x + token_offset(p, p.x_rows, c0), kernel_ld(p, p.x_rows, n), cnt, out);
             for (int t = 0; t < cnt; ++t)
                 for (int i = 0; i < kRows / 2; ++i) {
                     float v = swiglu(out[t * kRows + i], out[t * kRows + kRows / 2 + i], limit);
                     int64_t row = jt * kRows / 2 + i;  // intermediate index
                     if (p.acts == ACTS_BF16) {  // the bf16 half of pair row / 2
                         const uint16_t h = float_to_bf16(v);
-                        std::memcpy(reinterpret_cast<char*>(act + (row / 2) * n + c0 + t) + 2 * (row % 2), &h, 2);
+                        std::memcpy(reinterpret_cast<char*>(act + word_at(p, p.a_rows, n, row / 2, c0 + t)) + 2 * (row % 2), &h, 2);
                     } else
                         reinterpret_cast<float*>(act)[row * n + c0 + t] = v;
                 }
@@ -655,7 +688,7 @@ int64_t down_rows(const Plan& p, int64_t h0, int64_t h1) {
             }
             for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
                 const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
-                p.fn(base + ht * p.g.tile2, p.g.nb_i, act + c0 * p.tok_words, n, cnt, out);
+                p.fn(base + ht * p.g.tile2, p.g.nb_i, act + token_offset(p, p.a_rows, c0), kernel_ld(p, p.a_rows, n), cnt, out);
                 for (int t = 0; t < cnt; ++t) {
                     const int64_t q = p.start[a] + c0 + t;
                     float* dst = p.acc + p.pair_tok[q] * hp + ht * kRows;
@@ -778,7 +811,7 @@ int run_call(tandem_call* c) {
         if (!s.i8[c->fmt]) return ST_BAD_ARGS;  // a weight format the mode does not cover
         p.acts = ACTS_INT8, p.fn = s.i8[c->fmt];
     } else if (k->bf16[c->fmt] && c->x_dtype == DT_BF16) {
-        p.acts = ACTS_BF16, p.fn = k->bf16[c->fmt];
+        p.acts = ACTS_BF16, p.fn = k->bf16[c->fmt], p.tmajor = k->bf16_token_major[c->fmt];
     } else {
         p.acts = ACTS_F32, p.fn = k->f32[c->fmt];
     }
