@@ -28,7 +28,8 @@ silu(min(gate, limit)) * clamp(up, -limit, limit), on every ISA; without one the
 
 The kernel library is compiled on first use (tandem/offload/cpu_build.py). Debugging switches,
 read once when it loads (results do not depend on the prefetch ones):
-  TANDEM_CPU_ISA          scalar | avx2 | avx512 | avx512bf16 | amx: force an ISA;
+  TANDEM_CPU_ISA          scalar | avx2 | avx512 | avx512bf16 | amx: force an ISA (amx is only ever
+                          chosen this way or by `set_isa`: it has not run on an AMX CPU yet);
   TANDEM_CPU_PREFETCH_L1  bytes ahead of the weight stream the AVX-512 kernels prefetch into L1
                           (default 4096; 0 off);
   TANDEM_CPU_PREFETCH_L2  bytes ahead they prefetch into L2 only (default 16384; 0 off).

@@ -880,8 +880,10 @@ void read_job(void* ctx, int tid, int) {
 
 TANDEM_API int tandem_isa_supported(int isa) { return isa_supported(isa); }
 
+// The default ISA. AMX is not one yet: it is chosen by name (TANDEM_CPU_ISA=amx, set_isa) until it
+// has run, and been measured, on a CPU that has it.
 TANDEM_API int tandem_best_isa() {
-    for (int isa = ISA_COUNT - 1; isa > 0; --isa)
+    for (int isa = ISA_AVX512BF16; isa > 0; --isa)
         if (isa_supported(isa)) return isa;
     return ISA_SCALAR;
 }
