@@ -102,9 +102,9 @@ class ConfidenceCalibration:
                 cell[0] += 1.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
-    """What a request's current draft was chosen on."""
+    """What a request's current draft was chosen on (one made per request and step: slots)."""
 
     phase: str
     key: str  # the statistics' key: the phase and the context (see `AutoK.choose`)
@@ -411,16 +411,19 @@ class AutoK:
         pending = pending or self._pending.get(request_id)
         return expected_accepted(pending.rates, num_draft) if pending is not None else 0.0
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int, pending: _Pending | None = None) -> None:
+    def observe(self, request_id: str, num_draft: int, num_accepted: int, pending: _Pending | None = None) -> float:
         """A verify of the request's draft (num_draft tokens, after any cut; chosen on `pending`,
-        by default the current choice) accepted num_accepted."""
+        by default the current choice) accepted num_accepted. Returns the accepted tokens the
+        choice expected of it (`expected`; 0 without a choice): one call per verify, each verify
+        of each request makes one."""
         pending = pending or self._pending.get(request_id)
         if pending is None or num_draft <= 0:
-            return
+            return 0.0
         self.stats.observe(request_id, pending.key, num_draft, num_accepted)
         self._in_run[request_id] = num_accepted == num_draft
         if pending.confidence is not None:
             self.calibration.observe(pending.phase, pending.confidence[:num_draft], num_accepted)
+        return expected_accepted(pending.rates, num_draft)
 
     def observe_step(self, ks: Sequence[int], drafted: Sequence[int], seconds: float) -> StepPrediction:
         """A decode / verify step of these ks (the drafter having run at `drafted`) took `seconds`:

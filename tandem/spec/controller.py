@@ -320,9 +320,7 @@ class SpecDecoder:
         self.proposer.land_ahead(req.request_id, start, 1 + num_accepted)
         if self.auto is None or num_draft == 0:
             return None
-        expected = self.auto.expected(req.request_id, num_draft, pending)
-        self.auto.observe(req.request_id, num_draft, num_accepted, pending)
-        return expected
+        return self.auto.observe(req.request_id, num_draft, num_accepted, pending)
 
     def _choose(self, ids: Sequence[str], reqs: Sequence[Request], phases: Sequence[Phase],
                 rooms: Sequence[int]) -> list[int]:
