@@ -94,7 +94,7 @@ class StageClock:
         if eng.spec is None:
             return
         for owner, name in ((eng.spec, "propose"), (eng.spec, "plan_ahead"), (eng.spec, "observe"), (eng, "_time_step"),
-                            (eng, "_count_spec_step"), (eng, "_count_draft"), (eng.spec, "choose_ahead"),
+                            (eng, "_count_spec_step"), (eng.spec, "choose_ahead"),
                             (eng.spec, "observe_ahead"), (eng.runner, "_stage_inputs")):
             self._wrap(owner, name)
 
