@@ -141,7 +141,7 @@ class Run:
         in_flight = self.pending[0] if self.pending is not None else [0] * len(reqs)
         ks = spec.choose_ahead(reqs, in_flight)
         held = ks is None
-        ks = ks or [0] * len(reqs)
+        ks = spec.held_ks(reqs) if held else ks
         pendings = spec.pending_choices(reqs)
         if not held:
             spec.commit_ahead(reqs, ks)

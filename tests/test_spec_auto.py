@@ -105,7 +105,7 @@ def test_requests_at_k0_space_their_probes_by_their_number():
 
 
 def test_an_all_zero_choice_repeated_without_a_search_gives_the_same_ks_and_probes():
-    # The engine asks `repeat_zero` before `choose` for the step after one in flight: a held
+    # The engine asks `repeat` before `choose` for the step after one in flight: a held
     # all-zero choice must give exactly the ks (probes included) choosing every step gives, until
     # a phase switch, which a hold (no phase tracking) sees when it ends, within ZERO_HOLD_MAX steps.
     from tandem.spec.auto import ZERO_HOLD_MAX
@@ -122,7 +122,7 @@ def test_an_all_zero_choice_repeated_without_a_search_gives_the_same_ks_and_prob
         auto, rng, history, repeated = AutoK(4, (1, 2, 3, 4), cost), random.Random(1), [], 0
         for step in range(700):
             phases = phase_of(step)
-            if hold and history and not any(history[-1]) and auto.repeat_zero(ids):
+            if hold and history and not any(history[-1]) and auto.repeat(ids) is not None:
                 ks, repeated = [0] * 4, repeated + 1
             else:
                 ks = auto.choose(ids, phases, [9] * 4)
@@ -383,7 +383,7 @@ def test_requests_that_reuse_ids_of_a_finished_batch_are_searched_afresh(monkeyp
     ids, phases = [f"r{i}" for i in range(8)], ["reasoning"] * 8
     held = 0
     for _ in range(300):  # drafting never pays, every probe is rejected
-        if auto.repeat_zero(ids):
+        if auto.repeat(ids) is not None:
             held += 1
             continue
         for rid, k in zip(ids, auto.choose(ids, phases, [99] * 8)):
@@ -392,7 +392,7 @@ def test_requests_that_reuse_ids_of_a_finished_batch_are_searched_afresh(monkeyp
     assert held > 150  # most steps repeat the held all-zero choice without a search
     for rid in ids:
         auto.remove(rid)
-    assert not auto.repeat_zero(ids)
+    assert auto.repeat(ids) is None
     searched = []
     real = auto_module.choose_ks
     monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searched.append(1) or real(*a, **k))
@@ -416,7 +416,7 @@ def test_an_all_zero_choice_found_again_for_the_same_batch_is_held_longer(monkey
         """Steps as the engine takes them; returns the lengths of the runs of held steps."""
         phases, runs, held = ["reasoning"] * len(ids), [], 0
         for _ in range(steps):
-            if auto.repeat_zero(ids):
+            if auto.repeat(ids) is not None:
                 held += 1
                 continue
             if held:
@@ -511,3 +511,40 @@ def test_a_draft_model_skips_prompts_auto_would_not_draft_for_and_catches_up_whe
     out = llm.generate(ids[2:], GREEDY)
     assert [o.token_ids for o in out] == ref[2:]
     assert counter(llm.engine, "spec_decode_num_drafts") > before and drafter_prefills() > prefills
+
+
+@pytest.mark.parametrize(("truth", "room", "min_held"), [([0.9] * 4, 2500, 300), ([0.8, 0.5, 0.1, 0.05], 1550, 150)],
+                         ids=["deepest", "probing"])
+def test_a_held_batch_choice_gives_the_ks_choosing_every_step_gives(truth, room, min_held):
+    # The engine asks `repeat` before `choose` for the step after one in flight. A padded batch's
+    # choice re-found by its searches is held without the search or the per-request loop, but
+    # with the loop's bookkeeping (each request's context flips as its verifies accept all or
+    # not): the ks must be exactly those choosing every step gives, probes one depth deeper
+    # included ("probing": K = 2 pays best, 3 is probed), up to a request whose room runs out
+    # (request "a" loses K + 1 tokens of room a step, the most a step can take).
+    cost = hand_cost({b: {1: 1.0, 2: 1.05, 3: 1.1, 4: 1.3, 5: 1.5} for b in (1, 2, 4, 8)},
+                     draft={(b, d): 0.1 for b in (1, 2, 4, 8) for d in range(1, 5)})
+    ids, phases = [f"{c}" for c in "abcdefgh"], ["reasoning"] * 8
+
+    def drive(hold: bool, room: int) -> tuple[list[list[int]], int]:
+        auto, rng, history, repeated = AutoK(4, (1, 2, 3, 4), cost), random.Random(3), [], 0
+        for _ in range(600):
+            ks = auto.repeat(ids) if hold else None
+            if ks is None:
+                ks = auto.choose(ids, phases, [room] + [99] * 7)
+            else:
+                repeated += 1
+            room = max(0, room - ks[0] - 1)
+            for rid, k in zip(ids, ks):
+                if k:
+                    auto.observe(rid, k, verify(rng, truth, k))
+            history.append(ks)
+        return history, repeated
+
+    every, _ = drive(False, room)
+    held, repeated = drive(True, room)
+    assert held == every
+    assert repeated > min_held  # of the ~500 steps while "a" had room (probes end a hold)
+    assert every[-1][0] == 0 and every[-1][1] > 0  # "a" ran out of room; the others draft
+    if truth[2] < 0.5:  # K = 2 with probes to 3
+        assert sum(1 for ks in every[100:] if 3 in ks) >= 10 and sum(1 for ks in every[100:] if ks[1] == 2) > 300

@@ -93,7 +93,8 @@ class AheadSteps:
         if ks is None:
             ks = self.spec.choose_ahead(reqs, ahead.in_flight_drafts(reqs, prev))
             held = ks is None
-            ks = ks or [0] * len(reqs)
+            if held:  # auto repeats its last choice (all zero, or a padded batch's)
+                ks = self.spec.held_ks(reqs)
         if not any(ks) and not isinstance(prev, SpecAheadStep):
             return False  # a plain step: the plain path runs it (after a step ahead, this one must)
         pendings = self.spec.pending_choices(reqs)

@@ -8,7 +8,9 @@ One step, as `SpecDecoder` drives it:
    of that phase and context) and the step cost; the drafter then drafts to the batch's deepest K.
    A choice is reused for `REFRESH_STEPS` steps: per request and context, and under a padded
    cost (CUDA graphs) for the batch as a whole while its requests and phases stay; each search
-   that finds the same depth again lets it stand twice as long, up to `HOLD_MAX` steps.
+   that finds the same depth again lets it stand twice as long, up to `HOLD_MAX` steps. Such a
+   batch's choice, and an all-zero one, then repeat without `choose` (`repeat`) until a search,
+   a probe or a request's room says otherwise.
 2. `refine(ids, confidences)`, for a drafter with a confidence head (DSpark): the drafts are cut
    where the drafter's own confidence, calibrated online against what verifies accepted, says the
    remaining tokens do not pay for their verify (the drafter's time is spent by then, so only the
@@ -142,12 +144,19 @@ class AutoK:
         # id -> key -> (K, rates, step, steps it stands) of the last search that saw the request
         # in that context
         self._choice: dict[str, dict[str, tuple[int, list[float], int, int]]] = {}
-        # An all-zero choice repeats unchanged for `_hold` more steps of the same requests
-        # (`repeat_zero`): no probe or search falls due before then. The steps it
-        # repeated are added to those requests' same-K counts at the next `choose`.
+        # A choice repeats unchanged for `_hold` more steps of the same requests (`repeat`): an
+        # all-zero one ("zero"), or a padded batch's choice ("batch"), while no probe or search
+        # falls due. An all-zero hold's steps are added to its requests' same-K counts at the
+        # next `choose`; a batch's hold keeps them step by step (`_repeat_batch`).
         self._hold = 0
+        self._hold_kind = "zero"
         self._hold_of: tuple[list[str], list[str]] = ([], [])  # (ids, phases)
         self._held: list[tuple[str, str]] = []  # (id, key) of the requests held
+        self._held_ks: list[int] = []
+        self._held_due: list[float] = []  # a batch hold: each request's same-K steps at which it probes
+        # What the last `choose` drafted for, until `repeat` works out whether it holds (`_batch_hold`):
+        # (ids, phases, keys, ks, ks before probes, limits).
+        self._to_hold: tuple[list[str], list[str], list[str], list[int], list[int], list[int]] | None = None
         self._held_steps = 0
         # Steps an all-zero choice may stand from the search that made it: REFRESH_STEPS, doubled
         # (up to ZERO_HOLD_MAX) each time a search of the same requests in the same phases finds
@@ -219,6 +228,7 @@ class AutoK:
         # async scheduling a step that no longer goes ahead): each spaces its probes by their
         # number, so that together they keep to the budget.
         idle = max(1, ks.count(0))
+        unprobed = list(ks)
         tries: dict[tuple[str, int], float] = {}  # phase_tries, once per key and position
         for i, (rid, k) in enumerate(zip(ids, ks)):
             key = keys[i]
@@ -241,15 +251,22 @@ class AutoK:
             if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
                 self._in_run[rid] = True
             self._pending[rid] = _Pending(phases[i], key, rates[i])
-        refound = self._hold_of == (list(ids), list(phases))  # the batch the last all-zero hold was for
+        # the batch the last all-zero hold was for
+        refound = self._hold_kind == "zero" and self._hold_of == (list(ids), list(phases))
         if not refound:
             self._zero_refresh = REFRESH_STEPS
-        self._hold = 0 if any(ks) else self._zero_hold(ids, keys, limits, idle, searched)
-        if self._hold:
+        # A batch's hold is worked out by the first `repeat` that asks (a synchronous step never does).
+        self._hold, self._to_hold = 0, (list(ids), list(phases), keys, list(ks), unprobed, list(limits)) if any(ks) else None
+        if not any(ks) and (hold := self._zero_hold(ids, keys, limits, idle, searched)):
             if refound and searched and searched[0] == self._step:  # all zero again, from a search just made
                 self._zero_refresh = min(2 * self._zero_refresh, ZERO_HOLD_MAX)
-            self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
+            self._set_hold("zero", hold, ids, phases, keys, ks)
         return ks
+
+    def _set_hold(self, kind: str, hold: int, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str],
+                  ks: Sequence[int]) -> None:
+        self._hold, self._hold_kind, self._held_ks = hold, kind, list(ks)
+        self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
 
     def _hysteresis(self, previous: Sequence[int]) -> float:
         """The gain a search must find to replace `previous`: HYSTERESIS, and out of all-zero with a
@@ -290,20 +307,95 @@ class AutoK:
             return None
         return list(batch[3])
 
-    def repeat_zero(self, ids: Sequence[str]) -> bool:
-        """Whether this step's choice is the last one, all zero, repeated: the same requests,
-        within the steps it holds for. Then the step is counted as chosen (no search, no
-        per-request work, not even phase tracking: a step that goes ahead at the device's pace
-        notices the host time, and at 16 requests the trackers were most of it), and the caller
-        keeps the last choice. A phase switch during the hold is seen when it ends, at most
-        ZERO_HOLD_MAX steps later: the K of a request that draws nothing from drafting changes
-        speed only, never the tokens."""
+    def repeat(self, ids: Sequence[str]) -> list[int] | None:
+        """The last choice again, when it holds for these requests (the same ones, within the
+        steps it holds for): its ks (all zero, or a padded batch's choice); None: `choose`. Then the
+        step is counted as chosen with no search and no phase tracking (a step that goes ahead at
+        the device's pace notices the host time: at 16 requests on the H200 box's Xeon, auto's
+        `choose_ahead` took 98 us a step where K=7's took 20, session 17). A phase switch during
+        the hold is seen when it ends, within ZERO_HOLD_MAX (all zero) or HOLD_MAX (a batch's)
+        steps: K changes speed only, never the tokens. Under a batch's hold each request's verify
+        is still recorded under its current context (`_Pending.key`), kept up to date here."""
+        if self._to_hold is not None:  # the last `choose` drafted: may its batch's choice be held?
+            chosen_ids, phases, keys, ks, unprobed, limits = self._to_hold
+            self._to_hold = None
+            if chosen_ids == list(ids) and (hold := self._batch_hold(chosen_ids, keys, ks, unprobed, limits)):
+                self._set_hold("batch", hold, chosen_ids, phases, keys, ks)
         if self._hold <= 0 or list(ids) != self._hold_of[0]:
-            return False
+            return None
+        if self._hold_kind == "batch" and not self._repeat_batch():
+            self._hold = 0
+            return None
         self._hold -= 1
-        self._held_steps += 1
         self._step += 1
+        if self._hold_kind == "zero":
+            self._held_steps += 1
+        return list(self._held_ks)
+
+    def _repeat_batch(self) -> bool:
+        """A held batch's step, with the bookkeeping `choose`'s per-request loop does: each
+        request's context this step, its steps at its K in that context, its choice there, and
+        the context its verify will be recorded under (`_Pending.key`). False, changing nothing,
+        when a request's probe falls due this step (the caller chooses)."""
+        steps = []
+        for (rid, _), phase, k, due in zip(self._held, self._hold_of[1], self._held_ks, self._held_due):
+            key = phase + (RUN if self._in_run.get(rid, True) else "")
+            counts, prev = self._same_steps[rid], self._previous[rid]
+            same = counts.get(key, 0) + 1 if prev.get(key) == k else 1
+            if same >= due:
+                return False
+            steps.append((rid, phase, k, key, counts, prev, same))
+        for rid, phase, k, key, counts, prev, same in steps:
+            counts[key] = same
+            prev[key] = k
+            if k == 0:
+                self._in_run[rid] = True
+            pending = self._pending[rid]  # made by the `choose` that set the hold
+            if pending.key != key:
+                searched = self._choice.get(rid, _NOTHING).get(key)
+                self._pending[rid] = _Pending(phase, key, searched[1] if searched is not None else pending.rates)
         return True
+
+    def _batch_hold(self, ids: Sequence[str], keys: Sequence[str], ks: Sequence[int], unprobed: Sequence[int],
+                    limits: Sequence[int]) -> int:
+        """Steps a padded batch's choice would repeat unchanged (0: none): it was the batch's
+        choice (`_batch`), re-found by a search at least once, and no probe changed it this step.
+        It stands until the batch's own refresh falls due or a request's room could fall below
+        its K (a step takes up to K + 1 of its tokens); a request's probe one captured depth
+        deeper ends it on the step it falls due (`_held_due`, checked by `_repeat_batch`). Not
+        held: batches of one or two requests, whose choice follows their contexts (`_run_mix`),
+        and a request whose phase has too little evidence for K + 1 in either context (it probes
+        every step)."""
+        batch = self._batch
+        if (len(ids) <= MIX_MAX_BATCH or batch is None or batch[0] != tuple(ids) or list(ks) != list(unprobed)
+                or self._batch_refresh <= REFRESH_STEPS):  # not re-found yet: the choice may still move
+            return 0
+        hold = self._batch_refresh - (self._step - batch[4]) - 1
+        intervals: dict[tuple[int, int], float] = {}  # (K, deeper) -> steps between probes
+        evidence: dict[tuple[str, int], float] = {}  # (key, K) -> phase_tries, once each
+        due = []
+        for i, (key, k, limit) in enumerate(zip(keys, ks, limits)):
+            hold = min(hold, (limit - k) // (k + 1))
+            if hold <= 0:
+                return 0
+            deeper = self._deeper[k]
+            if deeper is None or deeper > limit:
+                due.append(math.inf)
+                continue
+            base = key[: -len(RUN)] if key.endswith(RUN) else key
+            for context in (base, base + RUN):
+                tries = evidence.get((context, k))
+                if tries is None:
+                    tries = evidence[(context, k)] = self.stats.phase_tries(context, k + 1)
+                if tries < MIN_EVIDENCE:
+                    return 0
+            interval = intervals.get((k, deeper))
+            if interval is None:
+                idle = max(1, list(ks).count(0)) if k == 0 else 1  # as `choose` spaces probes out of K = 0
+                interval = intervals[(k, deeper)] = max(PROBE_EVERY, idle * self._probe_interval(ks, i, deeper))
+            due.append(interval)
+        self._held_due = due
+        return max(hold, 0)
 
     def _apply_held(self) -> None:
         if self._held_steps:

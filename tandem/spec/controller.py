@@ -267,27 +267,33 @@ class SpecDecoder:
         the tokens), and each request's room counts that token. When the policy drafts for some
         request, the choice is kept for a speculative step ahead (`take_planned`) or, when none
         can go, for the next `propose`, which runs once the tokens have landed."""
-        ks = self.choose_ahead(requests, [0] * len(requests))
-        if ks is None:
-            return True
+        chosen = self.choose_ahead(requests, [0] * len(requests))
+        ks = self.held_ks(requests) if chosen is None else chosen
         if any(ks):
             self._planned = {r.request_id: k for r, k in zip(requests, ks)}
             return False
-        self.commit_ahead(requests, ks)
+        if chosen is not None:
+            self.commit_ahead(requests, ks)
         return True
 
     def choose_ahead(self, requests: Sequence[Request], in_flight: Sequence[int]) -> list[int] | None:
         """The policy's K for each request's step after the one in flight, which verifies
         in_flight[i] drafts of request i (so may add up to in_flight[i] + 1 tokens: its room
-        counts them). Not recorded until `commit_ahead`. None: auto holds its last all-zero
-        choice (K = 0 for all, already recorded)."""
+        counts them). Not recorded until `commit_ahead`. None: auto holds its last choice for
+        these requests (`held_ks`, already recorded)."""
         ids = [r.request_id for r in requests]
-        if self.auto is not None and self.auto.repeat_zero(ids):
-            return None  # the last choice again: _drafted and chosen_k stand (phases tracked after)
+        if self.auto is not None and (held := self.auto.repeat(ids)) is not None:
+            if all(self._drafted.get(rid) == k for rid, k in zip(ids, held)):
+                return None  # the last choice again: _drafted and chosen_k stand (phases tracked after)
+            return held  # recorded anew: the last record was a synchronous draft's, cut by confidence
         tracked = [self._track(r) for r in requests]
         phases = [t.tracker.phase for t in tracked]
         rooms = [max(0, self.room(r) - 1 - k) for r, k in zip(requests, in_flight)]
         return self._choose(ids, requests, phases, rooms)
+
+    def held_ks(self, requests: Sequence[Request]) -> list[int]:
+        """The ks of the last recorded choice for these requests: what a held one repeats."""
+        return [self._drafted.get(r.request_id, 0) for r in requests]
 
     def commit_ahead(self, requests: Sequence[Request], ks: Sequence[int]) -> None:
         """Record the K `choose_ahead` gave (or `take_planned` handed back) for a step launched ahead."""
