@@ -12,7 +12,8 @@ drafter the prompt chunks the target just computed, so the first draft costs no 
 Every drafter forward goes through a `ModelRunner` of its own (CUDA graphs for one and two query
 tokens per request: a draft step, and the first step after a verify that fed back a correction
 and the last accepted draft; prefill graphs for longer feeds), within the engine's token budget
-per forward.
+per forward. The draft steps after a proposal's first forward run chained on the device
+(`ModelRunner.execute_chain`): the drafts reach the host once a proposal, not once a token.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ class DraftModelProposer:
         self.kv = KVCacheManager(groups, num_blocks, block_size, enable_prefix_caching)
         allocate_kv_caches(self.model, self.kv, self.device)
         self.runner = ModelRunner(self.model, self.kv, self.device)
+        if not self.runner.can_chain():  # its draft steps run chained (`propose`)
+            raise ValueError("--speculative-config: a draft model with compressed KV caches (DeepSeek-V4's) is not "
+                             "supported; use a draft model with plain or sliding-window attention")
 
     def capture(self, max_num_seqs: int, max_model_len: int, prefill: tuple[int, ...] = ()) -> None:
         """Graphs of one and two query tokens per request, and prefill graphs at the token totals
