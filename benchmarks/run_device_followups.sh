@@ -34,12 +34,36 @@
 # wheel) waits: the kernel's claimed chunks (7e96c4a) A/B'd on the box's Xeon with the phase profile, V4 end to end with
 # them under both hand-offs, the GPU tests of V4's graphs with the doorbell (call 1's 60 s cut them off), and where the
 # draft model's steps go at 16 requests (profile_spec_host.py --concurrency 16, against no speculation).
+# After session 17 (six calls ran; 204 s of budget left could not start a seventh), `after17` (~9 minutes; carry the
+# llguidance wheel): the fixed GPU test of the draft model's chained steps (ef91f97), the AMX kernel against avx512bf16
+# where experts get several tokens (16 and 8 of 256 kept), auto live with the held batch choices of 0bef271 and the
+# stage clock, and where the draft model's K = 0 steps go at 16 requests against no speculation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
 mkdir -p "$out"
 part=${1:-v4}
-if [ "$part" = claims ]; then
+if [ "$part" = after17 ]; then
+timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft or drafters" 2>&1 | tail -30 \
+    | tee "$out/gpu_chain_tests.txt"
+for kept in 16:4 8:8; do  # experts kept : layers cycled (a cold working set of 0.8-0.9 GB)
+    timeout 50 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4 --batches 2,4,8 --threads 15 --no-torch \
+        --calls 8 --layers "${kept#*:}" --num-experts-kept "${kept%:*}" --isa avx512bf16,amx \
+        --out "$out/kernel_amx_kept${kept%:*}.json" 2>&1 | grep "tandem-\|RAM read" | grep -v "layers x" \
+        | tee "$out/kernel_amx_kept${kept%:*}.txt"
+done
+timeout 230 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 7 --concurrency 1,4,8,16 \
+    --rounds 3 --prompts 96 --only "none,dspark K=7,dspark phase-fit,dspark auto,draft_model auto" --stage-clock --step-clock \
+    --phase-k-fit '{"reasoning": 7, "content": 5, "tool_call": 7}' --out "$out/auto.json" 2>&1 | grep -A8 "^median" \
+    | tee "$out/auto.txt"
+for spec in none '{"method": "draft_model", "num_speculative_tokens": 7, "adaptive": "auto"}'; do
+    args=(); [ "$spec" != none ] && args=(--spec "$spec")
+    name=$([ "$spec" = none ] && echo none || echo draft_model_auto)
+    timeout 70 python3 benchmarks/profile_spec_host.py --device cuda "${args[@]}" --prompts 32 --concurrency 16 --top 40 \
+        > "$out/profile_c16_$name.txt" 2>&1
+    grep "tok/s" "$out/profile_c16_$name.txt"
+done
+elif [ "$part" = claims ]; then
 timeout 90 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4,bf16 --batches 1,4 --threads 15 --no-torch --calls 8 \
     --layers 3 --num-experts-kept 64 --act-dtype auto,int8 --dynamic 0,25,40 --profile --out "$out/kernel_dyn.json" 2>&1 \
     | grep "tandem-\|RAM read\|profile" | grep -v "layers x" | tee "$out/kernel_dyn.txt"
