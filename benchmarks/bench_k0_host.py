@@ -7,6 +7,7 @@ stage's host time.
 
     python benchmarks/bench_k0_host.py --concurrency 4,16 --rounds 6
     python benchmarks/bench_k0_host.py --ab-held   # also the engine with held steps counted and timed every step
+    python benchmarks/bench_k0_host.py --padded    # auto's cost model padded, as on a GPU
 
 Each round runs every configuration once (in an order that alternates), the first round is a
 warm-up, and the figures are medians over the others. CPU-only: the device machine's figures come
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--ab-held", action="store_true", help="also run auto with held steps counted and timed every step")
+    ap.add_argument("--padded", action="store_true",
+                    help="auto's cost model padded, as with CUDA graphs (its searches and holds as on a GPU)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tandem-k0-"))
     save_tiny_model(root / "target", "qwen3", seed=1, num_hidden_layers=1)
@@ -58,6 +61,8 @@ def main() -> None:
               async_scheduling=True)
     spec = {"method": "draft_model", "model": str(root / "draft"), "num_speculative_tokens": 4, "adaptive": "auto"}
     llms = {"none": LLM(str(root / "target"), **kw), "draft_model auto": LLM(str(root / "target"), speculative_config=spec, **kw)}
+    if args.padded:  # the CPU runs ragged steps; the tables stay, the search and the holds become a GPU's
+        llms["draft_model auto"].engine.spec.auto.cost.padded = True
     configs = [("none", False), ("draft_model auto", False)] + ([("draft_model auto, every step", True)] if args.ab_held else [])
     print(f"{'config':<32}" + "".join(f"{'conc ' + c:>20}" for c in args.concurrency.split(",")))
     table: dict[str, str] = {name: "" for name, _ in configs}

@@ -230,6 +230,10 @@ class AutoK:
         idle = max(1, ks.count(0))
         unprobed = list(ks)
         tries: dict[tuple[str, int], float] = {}  # phase_tries, once per key and position
+        # Under a padded cost a probe's interval depends on (K, deeper) alone, until a probe
+        # changes the batch's ks: once per pair (at 16 requests held at K = 0, every request asked).
+        intervals: dict[tuple[int, int], float] = {}
+        symmetric = self.cost.uniform_is_optimal
         for i, (rid, k) in enumerate(zip(ids, ks)):
             key = keys[i]
             prev = self._previous.get(rid)
@@ -244,8 +248,9 @@ class AutoK:
                 if evidence is None:
                     evidence = tries[(key, k)] = self.stats.phase_tries(key, k + 1)
                 if evidence < MIN_EVIDENCE or (same >= PROBE_EVERY and same >= (idle if k == 0 else 1)
-                                               * self._probe_interval(ks, i, deeper)):
+                                               * self._interval(ks, i, deeper, intervals if symmetric else None)):
                     ks[i], same = deeper, 0  # the next captured depth up, once
+                    intervals.clear()
             counts[key] = same
             prev[key] = k  # the choice, not the probe: hysteresis compares with it
             if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
@@ -449,6 +454,15 @@ class AutoK:
             ks = choose_ks([rates] * max(batch, 1), self.depths, self.cost, hysteresis=0.0)
             hit = self._drafts_now[memo] = (self._step, any(ks))
         return hit[1]
+
+    def _interval(self, ks: Sequence[int], i: int, deeper: int, memo: dict[tuple[int, int], float] | None) -> float:
+        """`_probe_interval`, kept in `memo` by (K, deeper) when given."""
+        if memo is None:
+            return self._probe_interval(ks, i, deeper)
+        got = memo.get((ks[i], deeper))
+        if got is None:
+            got = memo[(ks[i], deeper)] = self._probe_interval(ks, i, deeper)
+        return got
 
     def _probe_interval(self, ks: Sequence[int], i: int, deeper: int) -> float:
         """Steps between probes, so that probing costs at most PROBE_BUDGET of the time: a probe

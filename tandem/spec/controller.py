@@ -104,6 +104,9 @@ class SpecDecoder:
         self.drafter_path = drafter_path  # draft_model / dspark: the directory the drafter came from
         self.max_model_len = max_model_len
         self.proposer = proposer
+        # A proposer whose `observe` feeds only prompt chunks (a draft model): a step of decodes
+        # alone skips `observe` altogether.
+        self._prompts_only = bool(getattr(proposer, "observes_prompt_chunks_only", False))
         self.markers = PhaseMarkers.from_tokenizer(tokenizer)
         self._tracked: dict[str, _Tracked] = {}
         self._last_k_log = -K_LOG_INTERVAL_S  # monotonic time of the last INFO line on a K change
@@ -116,6 +119,7 @@ class SpecDecoder:
         self._recorded: tuple[list[str], list[Phase], list[int]] = ([], [], [])
         self.auto: AutoK | None = None  # adaptive auto: built by start_auto
         self._drafted: dict[str, int] = {}  # the depth each request was drafted at by the last propose
+        self._drafted_of: tuple[list[str], list[int]] = ([], [])  # the same as (ids, ks), for a held choice
         # plan_ahead's choice when it drafted for some request: the next propose takes it (made
         # once per step, so a probe the controller chose is not chosen again, or lost)
         self._planned: dict[str, int] | None = None
@@ -251,7 +255,7 @@ class SpecDecoder:
         else:
             ks = self._choose(ids, reqs, phases, rooms)
         drafts = self.proposer.propose(reqs, ks) if any(ks) else [Draft([]) for _ in reqs]
-        self._drafted = dict(zip(ids, ks))
+        self._drafted, self._drafted_of = dict(zip(ids, ks)), (ids, list(ks))
         if self.auto is not None:
             drafts = self._refine(ids, drafts)
         cut = self.auto is not None  # auto's confidence cut is its choice
@@ -283,7 +287,7 @@ class SpecDecoder:
         these requests (`held_ks`, already recorded)."""
         ids = [r.request_id for r in requests]
         if self.auto is not None and (held := self.auto.repeat(ids)) is not None:
-            if all(self._drafted.get(rid) == k for rid, k in zip(ids, held)):
+            if self._drafted_of == (ids, held):
                 return None  # the last choice again: _drafted and chosen_k stand (phases tracked after)
             return held  # recorded anew: the last record was a synchronous draft's, cut by confidence
         tracked = [self._track(r) for r in requests]
@@ -293,13 +297,15 @@ class SpecDecoder:
 
     def held_ks(self, requests: Sequence[Request]) -> list[int]:
         """The ks of the last recorded choice for these requests: what a held one repeats."""
-        return [self._drafted.get(r.request_id, 0) for r in requests]
+        ids = [r.request_id for r in requests]
+        return list(self._drafted_of[1]) if self._drafted_of[0] == ids else [self._drafted.get(rid, 0) for rid in ids]
 
     def commit_ahead(self, requests: Sequence[Request], ks: Sequence[int]) -> None:
         """Record the K `choose_ahead` gave (or `take_planned` handed back) for a step launched ahead."""
         tracked = [self._track(r) for r in requests]
-        self._drafted = {r.request_id: k for r, k in zip(requests, ks)}
-        self._record_k(tracked, [r.request_id for r in requests], [t.tracker.phase for t in tracked], ks)
+        ids = [r.request_id for r in requests]
+        self._drafted, self._drafted_of = dict(zip(ids, ks)), (ids, list(ks))
+        self._record_k(tracked, ids, [t.tracker.phase for t in tracked], ks)
 
     def take_planned(self, requests: Sequence[Request]) -> list[int] | None:
         """The drafting choice `plan_ahead` kept, for a speculative step ahead of these requests
@@ -377,9 +383,11 @@ class SpecDecoder:
     def observe(self, sched: SchedulerOutput, accepted: Mapping[str, int], aux: torch.Tensor | None) -> None:
         """After the step's verification: tell the proposer what each request kept (its query
         tokens less the rejected drafts), and forget the requests preempted this step."""
-        kept = [s.num_tokens - len(s.draft) + min(accepted.get(s.request.request_id, 0), len(s.draft))
-                for s in sched.scheduled]
         batch = sched.scheduled
+        if self._prompts_only and not sched.preempted and all(s.num_tokens == 1 for s in batch):
+            return  # decodes only: nothing to feed, nothing verified (a K = 0 step, most steps of one)
+        kept = [s.num_tokens - len(s.draft) + min(accepted.get(s.request.request_id, 0), len(s.draft))
+                for s in batch]
         if (self.auto is not None and getattr(self.proposer, "prefill_is_optional", False)
                 and any(s.num_tokens > 1 and not s.draft for s in batch)):
             # A drafter that catches up by itself (a draft model) skips the prompt of a request

@@ -55,6 +55,8 @@ class DraftModelProposer:
     # A prompt it was not shown is caught up on when the request first drafts (`_sync`), so the
     # engine may skip feeding it prompts of requests that are not going to draft (adaptive auto).
     prefill_is_optional = True
+    # `observe` feeds prompt chunks and nothing else (drafts are caught up on by `_sync`).
+    observes_prompt_chunks_only = True
 
     def __init__(self, model: CausalLM, device: torch.device, max_batched_tokens: int,
                  generator_for: Callable[[Request], torch.Generator],
