@@ -43,6 +43,16 @@ cd "$(dirname "$0")/.."
 out=${OUT:-out}
 mkdir -p "$out"
 part=${1:-v4}
+# Where the draft model's steps under auto go at 16 requests, against no speculation ($1: each run's timeout, s).
+profile_draft_model_c16() {
+    for spec in none '{"method": "draft_model", "num_speculative_tokens": 7, "adaptive": "auto"}'; do
+        args=(); [ "$spec" != none ] && args=(--spec "$spec")
+        name=$([ "$spec" = none ] && echo none || echo draft_model_auto)
+        timeout "$1" python3 benchmarks/profile_spec_host.py --device cuda "${args[@]}" --prompts 32 --concurrency 16 \
+            --top 40 > "$out/profile_c16_$name.txt" 2>&1
+        grep "tok/s" "$out/profile_c16_$name.txt"
+    done
+}
 if [ "$part" = after17 ]; then
 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft or drafters" 2>&1 | tail -30 \
     | tee "$out/gpu_chain_tests.txt"
@@ -56,13 +66,7 @@ timeout 230 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draf
     --rounds 3 --prompts 96 --only "none,dspark K=7,dspark phase-fit,dspark auto,draft_model auto" --stage-clock --step-clock \
     --phase-k-fit '{"reasoning": 7, "content": 5, "tool_call": 7}' --out "$out/auto.json" 2>&1 | grep -A8 "^median" \
     | tee "$out/auto.txt"
-for spec in none '{"method": "draft_model", "num_speculative_tokens": 7, "adaptive": "auto"}'; do
-    args=(); [ "$spec" != none ] && args=(--spec "$spec")
-    name=$([ "$spec" = none ] && echo none || echo draft_model_auto)
-    timeout 70 python3 benchmarks/profile_spec_host.py --device cuda "${args[@]}" --prompts 32 --concurrency 16 --top 40 \
-        > "$out/profile_c16_$name.txt" 2>&1
-    grep "tok/s" "$out/profile_c16_$name.txt"
-done
+profile_draft_model_c16 70
 elif [ "$part" = claims ]; then
 timeout 90 python3 benchmarks/bench_cpu_moe.py --shape v4-flash --fmt mxfp4,bf16 --batches 1,4 --threads 15 --no-torch --calls 8 \
     --layers 3 --num-experts-kept 64 --act-dtype auto,int8 --dynamic 0,25,40 --profile --out "$out/kernel_dyn.json" 2>&1 \
@@ -72,13 +76,7 @@ timeout 110 python3 benchmarks/bench_offload.py --shape v4-flash-experts --cpu-m
     --out "$out/offload_v4.json" 2>&1 | grep "^batch\|measured:\|Error" | tee "$out/offload_v4.txt"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py tests/test_deepseek_v4_engine.py 2>&1 \
     | tail -4 | tee "$out/gpu_tests.txt"
-for spec in none '{"method": "draft_model", "num_speculative_tokens": 7, "adaptive": "auto"}'; do
-    args=(); [ "$spec" != none ] && args=(--spec "$spec")
-    name=$([ "$spec" = none ] && echo none || echo draft_model_auto)
-    timeout 80 python3 benchmarks/profile_spec_host.py --device cuda "${args[@]}" --prompts 32 --concurrency 16 --top 40 \
-        > "$out/profile_c16_$name.txt" 2>&1
-    grep "tok/s" "$out/profile_c16_$name.txt"
-done
+profile_draft_model_c16 80
 elif [ "$part" = handoff ]; then
 timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py tests/test_deepseek_v4_engine.py 2>&1 \
     | tail -4 | tee "$out/gpu_tests.txt"
