@@ -376,7 +376,7 @@ class AutoK:
                 or self._batch_refresh <= REFRESH_STEPS):  # not re-found yet: the choice may still move
             return 0
         hold = self._batch_refresh - (self._step - batch[4]) - 1
-        intervals: dict[tuple[int, int], float] = {}  # (K, deeper) -> steps between probes
+        intervals: dict[tuple[int, int], float] = {}  # `_interval`'s memo (a padded cost: symmetric)
         evidence: dict[tuple[str, int], float] = {}  # (key, K) -> phase_tries, once each
         due = []
         for i, (key, k, limit) in enumerate(zip(keys, ks, limits)):
@@ -394,11 +394,8 @@ class AutoK:
                     tries = evidence[(context, k)] = self.stats.phase_tries(context, k + 1)
                 if tries < MIN_EVIDENCE:
                     return 0
-            interval = intervals.get((k, deeper))
-            if interval is None:
-                idle = max(1, list(ks).count(0)) if k == 0 else 1  # as `choose` spaces probes out of K = 0
-                interval = intervals[(k, deeper)] = max(PROBE_EVERY, idle * self._probe_interval(ks, i, deeper))
-            due.append(interval)
+            idle = max(1, list(ks).count(0)) if k == 0 else 1  # as `choose` spaces probes out of K = 0
+            due.append(max(PROBE_EVERY, idle * self._interval(ks, i, deeper, intervals)))
         self._held_due = due
         return max(hold, 0)
 

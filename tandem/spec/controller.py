@@ -118,8 +118,8 @@ class SpecDecoder:
         # the very objects, which the engine takes for a held choice (counted once per run of them)
         self._recorded: tuple[list[str], list[Phase], list[int]] = ([], [], [])
         self.auto: AutoK | None = None  # adaptive auto: built by start_auto
-        self._drafted: dict[str, int] = {}  # the depth each request was drafted at by the last propose
-        self._drafted_of: tuple[list[str], list[int]] = ([], [])  # the same as (ids, ks), for a held choice
+        # (ids, ks): the depth each request was drafted at by the last propose or step ahead
+        self._drafted: tuple[list[str], list[int]] = ([], [])
         # plan_ahead's choice when it drafted for some request: the next propose takes it (made
         # once per step, so a probe the controller chose is not chosen again, or lost)
         self._planned: dict[str, int] | None = None
@@ -255,7 +255,7 @@ class SpecDecoder:
         else:
             ks = self._choose(ids, reqs, phases, rooms)
         drafts = self.proposer.propose(reqs, ks) if any(ks) else [Draft([]) for _ in reqs]
-        self._drafted, self._drafted_of = dict(zip(ids, ks)), (ids, list(ks))
+        self._drafted = (ids, list(ks))
         if self.auto is not None:
             drafts = self._refine(ids, drafts)
         cut = self.auto is not None  # auto's confidence cut is its choice
@@ -287,7 +287,7 @@ class SpecDecoder:
         these requests (`held_ks`, already recorded)."""
         ids = [r.request_id for r in requests]
         if self.auto is not None and (held := self.auto.repeat(ids)) is not None:
-            if self._drafted_of == (ids, held):
+            if self._drafted == (ids, held):
                 return None  # the last choice again: _drafted and chosen_k stand (phases tracked after)
             return held  # recorded anew: the last record was a synchronous draft's, cut by confidence
         tracked = [self._track(r) for r in requests]
@@ -297,14 +297,21 @@ class SpecDecoder:
 
     def held_ks(self, requests: Sequence[Request]) -> list[int]:
         """The ks of the last recorded choice for these requests: what a held one repeats."""
-        ids = [r.request_id for r in requests]
-        return list(self._drafted_of[1]) if self._drafted_of[0] == ids else [self._drafted.get(rid, 0) for rid in ids]
+        return self._drafted_for([r.request_id for r in requests])
+
+    def _drafted_for(self, ids: list[str]) -> list[int]:
+        """The depth each of these requests was last drafted at (0: not drafted)."""
+        drafted_ids, ks = self._drafted
+        if drafted_ids == ids:  # the same batch (most steps)
+            return list(ks)
+        by_id = dict(zip(drafted_ids, ks))
+        return [by_id.get(rid, 0) for rid in ids]
 
     def commit_ahead(self, requests: Sequence[Request], ks: Sequence[int]) -> None:
         """Record the K `choose_ahead` gave (or `take_planned` handed back) for a step launched ahead."""
         tracked = [self._track(r) for r in requests]
         ids = [r.request_id for r in requests]
-        self._drafted, self._drafted_of = dict(zip(ids, ks)), (ids, list(ks))
+        self._drafted = (ids, list(ks))
         self._record_k(tracked, ids, [t.tracker.phase for t in tracked], ks)
 
     def take_planned(self, requests: Sequence[Request]) -> list[int] | None:
@@ -429,7 +436,7 @@ class SpecDecoder:
             return None
         ks = [len(s.draft) for s in sched.scheduled]
         if drafted is None:  # `drafted`: the depths a step ahead drafted at (chosen before the last choice)
-            drafted = [self._drafted.get(s.request.request_id, 0) for s in sched.scheduled]
+            drafted = self._drafted_for([s.request.request_id for s in sched.scheduled])
         if prefilled:  # a draft model catching up on tokens it skipped while K was 0
             self.auto.observe_catch_up(ks, drafted, seconds)
             return None

@@ -536,7 +536,7 @@ void phase0_gather(const Plan& p, int tid, int nthreads) {
                     for (int i = 0; i < kBlock; ++i) v[i] = hidden_at(p, q0 + j, b * kBlock + i);
                     quantize_block(v, q8_bias(p.g.fmt), x + b * n + j);
                 }
-        } else if (p.tmajor) {
+        } else if (p.tmajor) {  // token by token: a token's words are contiguous here
             uint32_t* x = p.x + int64_t(p.start[a]) * p.x_rows;
             for (int64_t j = 0; j < cols; ++j)
                 for (int64_t h = 0; h < p.x_rows; ++h) x[word_at(p, p.x_rows, n, h, j0 + j)] = activation(p, q0 + j, h);
