@@ -177,7 +177,10 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
                     ce.set_isa(isa)
                 if pf is not None:
                     ce.set_prefetch(*pf)
-                if dyn is not None:
+                if dyn == "steal":
+                    ce.set_steal(True)
+                elif dyn is not None:
+                    ce.set_steal(False)
                     ce.set_balance(dyn)
                 stage_ids.copy_(ids[c]), stage_w.copy_(w[c])  # untimed, as the D2H copy would be
                 times[(isa, pf, act, dyn)].append(seconds(jobs[act][at % n_layers].run))
@@ -187,7 +190,8 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
         ce.set_profile(False)
         for (isa, pf, act, dyn), ts in times.items():
             impl = (f"tandem-{fmt}" + ("" if isa is None or len(args.isas) == 1 else f" {isa}")
-                    + ("" if pf is None else f" pf{pf[0]}/{pf[1]}") + ("" if dyn is None else f" dyn{dyn}")
+                    + ("" if pf is None else f" pf{pf[0]}/{pf[1]}")
+                    + ("" if dyn is None else " steal" if dyn == "steal" else f" dyn{dyn}")
                     + ("" if act == "auto" else f" {act}-act"))
             median = statistics.median(ts[args.warmup:])
             rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth)
@@ -321,13 +325,13 @@ def main() -> None:
                    help="A/B the kernels' software-prefetch distances in bytes (0: off), interleaved per call")
     p.add_argument("--dynamic", default=None, metavar="PCT,...",
                    help="A/B the share of each phase the kernel's threads claim as they finish (percent; 0: all "
-                        "split up front), interleaved per call")
+                        "split up front; 'steal': work stealing instead), interleaved per call")
     p.add_argument("--profile", action="store_true",
                    help="time each part of the kernel's calls per thread (wake-up, gather, the two phases, the "
                         "barrier waits) and print the mean and max over threads")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    args.dynamic = [None] if not args.dynamic else [int(v) for v in args.dynamic.split(",")]
+    args.dynamic = [None] if not args.dynamic else [v if v == "steal" else int(v) for v in args.dynamic.split(",")]
     args.prefetch = [None] if not args.prefetch else [
         tuple(int(v) for v in pair.split(":")) for pair in args.prefetch.split(",")]
     args.batches = [int(b) for b in args.batches.split(",")]

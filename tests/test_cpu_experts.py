@@ -384,6 +384,41 @@ def test_claimed_chunks_do_not_change_results(threads, fmt, act_dtype):
         ce.set_balance(101)
 
 
+@pytest.mark.parametrize("fmt, act_dtype", [("bf16", "auto"), ("mxfp4", "auto"), ("mxfp4", "int8")])
+def test_work_stealing_takes_a_stalled_threads_stretch_and_changes_no_result(threads, fmt, act_dtype):
+    # With work stealing each phase is split whole up front; a thread done with its stretch takes
+    # from the back of the fullest other one. Thread N-1 sleeping 50 ms before its gate/up tiles
+    # (tandem_debug_stall) leaves its stretch to the others: they must take it (steals counted),
+    # and who computed a tile or an output row changes no bit. 6 threads on a 2-core machine
+    # steal without the stall too.
+    layer = ce.CpuExpertLayer.from_dense(*_weights(6, 96, 64), fmt, act_dtype=act_dtype)
+    x = torch.randn(13, 96).bfloat16()
+    ids, w = _routing(13, 4, 6, seed=5)
+    lib = ce._lib()
+    try:
+        ce.set_steal(False)
+        threads(1)
+        want = layer(x, ids, w)
+        ce.set_steal(True)
+        for n in (2, 3, 6):
+            threads(n)
+            assert torch.equal(layer(x, ids, w), want), n
+            assert not layer(x, torch.full_like(ids, -1), w).any(), n
+        threads(2)
+        ce.take_steals()
+        lib.tandem_debug_stall(50_000_000)
+        got = layer(x, ids, w)
+        lib.tandem_debug_stall(0)
+        assert torch.equal(got, want)
+        assert ce.take_steals() > 0  # thread 0 took thread 1's gate/up tiles while it slept
+        assert ce.take_steals() == 0  # a read resets the count
+    finally:
+        lib.tandem_debug_stall(0)
+        ce.set_steal(False)  # the kernel's default (moe.h Tuning)
+    with pytest.raises(ValueError, match="True or False"):
+        ce.set_steal(1)
+
+
 def test_balance_env_value(monkeypatch):
     monkeypatch.setenv("TANDEM_CPU_DYNAMIC_PCT", "40")
     assert ce._env_percent("TANDEM_CPU_DYNAMIC_PCT") == 40
@@ -392,6 +427,13 @@ def test_balance_env_value(monkeypatch):
         ce._env_percent("TANDEM_CPU_DYNAMIC_PCT")
     monkeypatch.delenv("TANDEM_CPU_DYNAMIC_PCT")
     assert ce._env_percent("TANDEM_CPU_DYNAMIC_PCT") == -1
+    monkeypatch.setenv("TANDEM_CPU_STEAL", "yes")
+    with pytest.raises(ValueError, match="TANDEM_CPU_STEAL"):
+        ce._env_switch("TANDEM_CPU_STEAL")
+    monkeypatch.setenv("TANDEM_CPU_STEAL", "1")
+    assert ce._env_switch("TANDEM_CPU_STEAL") == 1
+    monkeypatch.delenv("TANDEM_CPU_STEAL")
+    assert ce._env_switch("TANDEM_CPU_STEAL") == -1
 
 
 @pytest.mark.parametrize("act_dtype", ["auto", "int8"])

@@ -93,7 +93,8 @@ def _lib() -> ctypes.CDLL:
         ("tandem_unpack_expert", [i, i, i, p, p, p, p], None), ("tandem_moe", [ctypes.POINTER(_Call)], i),
         ("tandem_host_fn", [p], None), ("tandem_read_seconds", [p, i64, i, i], ctypes.c_double),
         ("tandem_advise_huge_pages", [p, i64], i), ("tandem_set_prefetch", [i64, i64], None),
-        ("tandem_set_profile", [i], None), ("tandem_set_balance", [i], None),
+        ("tandem_set_profile", [i], None), ("tandem_set_balance", [i], None), ("tandem_set_steal", [i], None),
+        ("tandem_take_steals", [], i64), ("tandem_debug_stall", [i64], None),
         ("tandem_read_profile", [ctypes.POINTER(ctypes.c_double), i], i),
         ("tandem_doorbell_open", [p], p), ("tandem_doorbell_add", [p, p], i), ("tandem_doorbell_close", [p], None),
         ("tandem_doorbell_served", [p], i64), ("tandem_doorbell_error", [p, ctypes.POINTER(ctypes.c_int32)], ctypes.c_int32),
@@ -109,6 +110,7 @@ def _lib() -> ctypes.CDLL:
         _set_isa(lib, forced, source="TANDEM_CPU_ISA")
     lib.tandem_set_prefetch(_env_bytes("TANDEM_CPU_PREFETCH_L1"), _env_bytes("TANDEM_CPU_PREFETCH_L2"))
     lib.tandem_set_balance(_env_percent("TANDEM_CPU_DYNAMIC_PCT"))
+    lib.tandem_set_steal(_env_switch("TANDEM_CPU_STEAL"))
     return lib
 
 
@@ -133,6 +135,16 @@ def _env_percent(name: str) -> int:
         return -1
     if not raw.isdigit() or int(raw) > 100:
         raise ValueError(f"{name}={raw!r}: want a percentage 0-100")
+    return int(raw)
+
+
+def _env_switch(name: str) -> int:
+    """A debugging on/off switch (1 / 0); -1 (the kernel's default) when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return -1
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r}: want 1 (on) or 0 (off)")
     return int(raw)
 
 
@@ -189,6 +201,23 @@ def set_balance(dynamic_pct: int) -> None:
     if not isinstance(dynamic_pct, int) or not -1 <= dynamic_pct <= 100:
         raise ValueError(f"set_balance needs a percentage 0-100 (or -1), got {dynamic_pct!r}")
     _lib().tandem_set_balance(dynamic_pct)
+
+
+def set_steal(on: bool) -> None:
+    """Work stealing instead of `set_balance`'s claimed chunks: each phase of a call is split whole
+    up front, and a thread done with its stretch takes from the back of the stretch with the most
+    left (a thread that falls behind loses the end of its stretch instead of holding the others at
+    the barrier). A tuning switch (TANDEM_CPU_STEAL=1 sets it at load; off by default, moe.h's
+    Tuning). Results do not depend on it."""
+    if not isinstance(on, bool):
+        raise ValueError(f"set_steal needs True or False, got {on!r}")
+    _lib().tandem_set_steal(int(on))
+
+
+def take_steals() -> int:
+    """Chunks of work the kernel's threads took from another thread's stretch since the last call
+    (work stealing), then reset."""
+    return int(_lib().tandem_take_steals())
 
 
 def num_threads() -> int:

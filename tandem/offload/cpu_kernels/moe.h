@@ -206,11 +206,15 @@ void unpack_expert(int fmt, int hidden, int inter, const uint8_t* expert, float*
 // (moe_common.cpp); the rest is split up front. The same box's profile (session 16, 15 threads,
 // V4 MXFP4) had the slowest thread of a static split 30-40% behind the mean in both phases; on an
 // H200 box's Xeon (session 17) 25% made V4 MXFP4 calls 10-26% faster (exact) and 21-22% (int8
-// activations), and 40% added at most 3%.
+// activations), and 40% added at most 3%. steal: work stealing instead (moe_common.cpp, `take`):
+// the whole of each phase is split up front, and a thread done with its stretch takes from the back
+// of the stretch with the most left; a thread that falls behind no longer holds the others.
 struct Tuning {
     int64_t prefetch_l1 = 4096;  // bytes ahead of the weight stream prefetched to L1 (0: none)
     int64_t prefetch_l2 = 16384; // bytes ahead prefetched to L2 only (0: none)
     int dynamic_pct = 25;        // percent of each phase claimed as threads finish (0: all up front)
+    bool steal = false;          // split each phase whole up front; threads done take from others' stretches
+    int64_t stall_ns = 0;        // testing: thread N-1 sleeps this long before phase 1 (tandem_debug_stall)
 };
 extern Tuning g_tuning;
 

@@ -14,8 +14,10 @@
 // Each phase hands the first (100 - dynamic_pct)% of its work out up front, a contiguous stretch
 // per thread (the weights stream), and the rest in small chunks that threads claim as they finish
 // (moe.h Tuning): on a VM some cores run a third slower than others, and with a static split every
-// barrier waited for the slowest (BENCHMARKS.md, session 16). A chunk is whole tiles (phase 1) or
-// whole output rows (phase 2), so who computes what never changes a result.
+// barrier waited for the slowest (BENCHMARKS.md, session 16). With work stealing (Tuning::steal)
+// the whole phase is split up front and a thread done with its stretch takes from the back of the
+// stretch with the most left (`take`). A chunk is whole tiles (phase 1) or whole output rows
+// (phase 2), so who computes what never changes a result.
 // With int8 activations (moe.h) phase 0 quantises what it gathers, and between phases 1 and 2 the
 // threads quantise the intermediate, split by (expert, block of 32) (a block spans 4 phase-1 tiles,
 // which may have been computed by different threads).
@@ -67,6 +69,7 @@ constexpr int kTokensPerCall = 32;     // tokens handed to one tile-kernel call
 constexpr int64_t kTileCostTokens = 4;  // a tile's streaming cost, in tokens of compute
 constexpr int64_t kChunk1 = 2;          // phase-1 tiles per claimed chunk (phase 2 claims one row tile)
 constexpr int64_t kSpinNs = 1000000;   // workers spin this long for the next job, then sleep
+constexpr int kMaxThreads = 256;       // the pool's largest size
 
 int64_t now_ns() {
     timespec ts;
@@ -126,7 +129,7 @@ public:
     int size() const { return n_; }
 
     void resize(int n) {
-        if (n < 1) n = 1;
+        n = std::clamp(n, 1, kMaxThreads);
         stop_workers();
         n_ = n;
         std::vector<int> cpus = cpu_order();
@@ -259,6 +262,52 @@ struct Buffer {  // grow-only, 64-byte aligned
     }
 };
 
+// Work stealing (Tuning::steal): a phase's items (phase-1 tiles, phase-2 row tiles) are split up
+// front into one stretch per thread, kept as (front, back) in one 64-bit word that every change
+// swaps whole, so each item is taken exactly once. The owner takes its stretch from the front a
+// few items at a time (its weight stream stays contiguous); a thread whose stretch is done takes
+// from the back of the stretch with the most left. A thread that falls behind (a slower core, a
+// vCPU descheduled mid-stretch) then loses the end of its stretch instead of holding every other
+// thread at the barrier.
+struct alignas(64) Stretch {
+    std::atomic<uint64_t> span{0};  // front in the low 32 bits, back in the high 32
+};
+inline uint64_t pack_span(int64_t front, int64_t back) { return uint64_t(back) << 32 | uint64_t(front); }
+inline int64_t span_front(uint64_t v) { return int64_t(v & 0xFFFFFFFFu); }
+inline int64_t span_back(uint64_t v) { return int64_t(v >> 32); }
+
+// Items [first, end) for thread tid: from the front of its own stretch, `step` of them or (`halve`)
+// half of what is left, at least `step`; else up to `step` from the back of the fullest other
+// stretch. False when every stretch is empty. `steals` counts the second kind.
+bool take(Stretch* s, int n, int tid, int64_t step, bool halve, std::atomic<int64_t>& steals, int64_t& first,
+          int64_t& end) {
+    uint64_t v = s[tid].span.load(std::memory_order_relaxed);
+    while (span_front(v) < span_back(v)) {
+        const int64_t f = span_front(v), b = span_back(v);
+        const int64_t e = std::min(f + (halve ? std::max(step, (b - f + 1) / 2) : step), b);
+        if (s[tid].span.compare_exchange_weak(v, pack_span(e, b), std::memory_order_relaxed)) {
+            first = f, end = e;
+            return true;
+        }
+    }
+    for (;;) {
+        int victim = -1;
+        int64_t most = 0;
+        uint64_t seen = 0;
+        for (int i = 0; i < n; ++i) {
+            const uint64_t w = s[i].span.load(std::memory_order_relaxed);
+            if (span_back(w) - span_front(w) > most) most = span_back(w) - span_front(w), victim = i, seen = w;
+        }
+        if (victim < 0) return false;
+        const int64_t f = span_front(seen), b = span_back(seen), start = std::max(f, b - step);
+        if (s[victim].span.compare_exchange_strong(seen, pack_span(f, start), std::memory_order_relaxed)) {
+            steals.fetch_add(1, std::memory_order_relaxed);
+            first = start, end = b;
+            return true;
+        }
+    }
+}
+
 // Where a call's time goes, per thread (tandem_profile): timestamps of each part of moe_job, summed
 // over the calls made while it is on. Parts: 0 wake-up (the job's start after run() began), 1 the
 // gather (phase 0), 2 the wait at the barrier after it, 3 the gate/up tiles (phase 1), 4 the wait
@@ -266,7 +315,7 @@ struct Buffer {  // grow-only, 64-byte aligned
 // barrier), 5 the down tiles (phase 2), 6 the wait until the last thread is done. Off by default:
 // seven clock reads per thread per call.
 constexpr int kProfParts = 7;
-constexpr int kProfThreads = 256;
+constexpr int kProfThreads = kMaxThreads;
 struct Profile {
     bool on = false;
     int64_t calls = 0, call_ns = 0, route_ns = 0;  // whole calls, and their routing before the job
@@ -298,6 +347,8 @@ struct State {
     const TileFn* i8 = kernels_scalar()->i8;  // the int8-activation kernels run under `isa`
     Buffer x, act, act8, acc, routing;
     std::atomic<int64_t> next1{0}, next2{0};  // the claimed chunks of the pass running (Plan::next1 / next2)
+    Stretch stretch1[kMaxThreads], stretch2[kMaxThreads];  // work stealing: each thread's stretch per phase
+    std::atomic<int64_t> steals{0};  // chunks taken from another thread's stretch (tandem_take_steals)
 };
 
 State& state() {
@@ -475,6 +526,10 @@ struct Plan {
     int64_t static2;           // phase-2 row tiles [0, static2) split over the threads; the rest claimed
     std::atomic<int64_t>* next1;  // the next phase-1 tile to claim (from split[N])
     std::atomic<int64_t>* next2;  // the next phase-2 row tile to claim (from static2)
+    Stretch* stretch1;         // work stealing: each thread's phase-1 tiles, from split (else null)
+    Stretch* stretch2;         // work stealing: each thread's phase-2 row tiles (else null)
+    std::atomic<int64_t>* steals;
+    int nthreads;
     uint32_t* x;               // [P * x_rows] gathered activations, per expert [x_rows][n] (int8: QBlock [nb_h][n])
     uint32_t* act;             // [P * a_rows] intermediate, per expert [a_rows][n]
     uint32_t* act8;            // int8: [P * q_rows] the quantised intermediate, per expert QBlock [nb_i][n]
@@ -574,28 +629,40 @@ const uint8_t* first_down_tile(const Plan& p, int tid, int nthreads);
 // The gate/up tile at index t of the active experts' concatenated tiles.
 const uint8_t* gate_up_at(const Plan& p, int64_t t) { return gate_up_tile(p, int(t / p.g.tiles1), t % p.g.tiles1); }
 
-// The next chunk of phase-1 tiles (kChunk1 from the returned index; >= total: none left), its
-// first lines asked for.
-int64_t claim1(const Plan& p) {
-    const int64_t claimed = p.next1->fetch_add(kChunk1, std::memory_order_relaxed);
-    if (claimed < p.A * p.g.tiles1) prefetch_start(gate_up_at(p, claimed));
-    return claimed;
+// Items [first, end) of a phase; empty: none left.
+struct Span {
+    int64_t first = 0, end = 0;
+    bool empty() const { return first >= end; }
+};
+
+// This thread's next phase-1 tiles after what it has done: the next kChunk1 of the shared pool, or
+// with work stealing from its stretch or another's (`take`); their first lines asked for.
+Span next1(const Plan& p, int tid) {
+    const int64_t total = p.A * p.g.tiles1;
+    Span s;
+    if (p.stretch1) {
+        if (!take(p.stretch1, p.nthreads, tid, kChunk1, false, *p.steals, s.first, s.end)) return {};
+    } else {
+        s.first = p.next1->fetch_add(kChunk1, std::memory_order_relaxed), s.end = std::min(s.first + kChunk1, total);
+    }
+    if (s.first < total) prefetch_start(gate_up_at(p, s.first));
+    return s;
 }
 
-// Tiles [t0, t1) of the concatenated gate/up tiles. Returns the chunk claimed next, at the start
-// of the last tile (its lines come in while that tile streams).
-int64_t gate_up_tiles(const Plan& p, int64_t t0, int64_t t1) {
-    if (t0 >= t1) return claim1(p);
+// Tiles [t0, t1) of the concatenated gate/up tiles. Returns this thread's next tiles (`next1`),
+// taken at the start of the last tile (their lines come in while that tile streams).
+Span gate_up_tiles(const Plan& p, int tid, Span tiles) {
+    if (tiles.empty()) return next1(p, tid);
     float out[kTokensPerCall * kRows];
     const float limit = p.c->swiglu_limit;
-    int64_t claimed = 0;
-    int a = int(t0 / p.g.tiles1);
-    for (int64_t tile = t0; tile < t1; ++tile) {
+    Span next;
+    int a = int(tiles.first / p.g.tiles1);
+    for (int64_t tile = tiles.first; tile < tiles.end; ++tile) {
         while (tile >= (a + 1) * p.g.tiles1) ++a;
         const int64_t jt = tile - a * p.g.tiles1, n = p.start[a + 1] - p.start[a];
         const uint8_t* w = gate_up_tile(p, a, jt);
-        if (tile + 1 == t1) {
-            claimed = claim1(p);
+        if (tile + 1 == tiles.end) {
+            next = next1(p, tid);
         } else if (jt == p.g.tiles1 - 1) {
             prefetch_start(gate_up_tile(p, a + 1, 0));
         }
@@ -616,14 +683,15 @@ int64_t gate_up_tiles(const Plan& p, int64_t t0, int64_t t1) {
                 }
         }
     }
-    return claimed;
+    return next;
 }
 
-// Phase 1 for one thread: its stretch, then chunks of kChunk1 tiles while any are left.
+// Phase 1 for one thread: its stretch (whole, or taken a chunk at a time with work stealing), then
+// chunks while any are left.
 void phase1_gate_up(const Plan& p, int tid) {
-    const int64_t total = p.A * p.g.tiles1;
-    for (int64_t claimed = gate_up_tiles(p, p.split[tid], p.split[tid + 1]); claimed < total;)
-        claimed = gate_up_tiles(p, claimed, std::min(claimed + kChunk1, total));
+    Span tiles = p.stretch1 ? Span{} : Span{p.split[tid], p.split[tid + 1]};
+    do tiles = gate_up_tiles(p, tid, tiles);
+    while (!tiles.empty());
 }
 
 // int8 activations: quantises the fp32 intermediate for the down tiles, each thread a share of
@@ -661,21 +729,31 @@ void write_rows(const Plan& p, int64_t h0, int64_t h1) {
     }
 }
 
-// The next phase-2 row tile (>= tiles2: none left), its first expert's first lines asked for.
-int64_t claim2(const Plan& p) {
-    const int64_t claimed = p.next2->fetch_add(1, std::memory_order_relaxed);
-    if (claimed < p.g.tiles2 && p.A > 0) prefetch_start(down_tile(p, 0, claimed));
-    return claimed;
+// This thread's next phase-2 row tile after what it has done: the next of the shared pool, or
+// with work stealing from its stretch or another's (`take`); its first expert's first lines asked
+// for.
+Span next2(const Plan& p, int tid) {
+    Span s;
+    if (p.stretch2) {
+        // The owner takes half of what is left: each expert's down tiles of a row range are
+        // contiguous, and a tile at a time cut the stream at every tile (a tenth slower on one thread).
+        if (!take(p.stretch2, p.nthreads, tid, 1, true, *p.steals, s.first, s.end)) return {};
+    } else {
+        s.first = p.next2->fetch_add(1, std::memory_order_relaxed), s.end = std::min(s.first + 1, p.g.tiles2);
+    }
+    if (s.first < p.g.tiles2 && p.A > 0) prefetch_start(down_tile(p, 0, s.first));
+    return s;
 }
 
 // Output row tiles [h0, h1): every active expert's down tiles of these rows, summed in expert
-// order into the accumulator, then written out. Returns the row tile claimed next, at the start
-// of the last expert's last tile.
-int64_t down_rows(const Plan& p, int64_t h0, int64_t h1) {
-    if (h1 <= h0) return claim2(p);
+// order into the accumulator, then written out. Returns this thread's next row tiles (`next2`),
+// taken at the start of the last expert's last tile.
+Span down_rows(const Plan& p, int tid, Span rows) {
+    if (rows.empty()) return next2(p, tid);
+    const int64_t h0 = rows.first, h1 = rows.end;
     float out[kTokensPerCall * kRows];
     const int64_t hp = p.g.hp();
-    int64_t claimed = p.A == 0 ? claim2(p) : 0;  // else at the last tile
+    Span next = p.A == 0 ? next2(p, tid) : Span{};  // else at the last tile
     for (int64_t t = 0; t < p.T; ++t) std::memset(p.acc + t * hp + h0 * kRows, 0, (h1 - h0) * kRows * 4);
     for (int a = 0; a < p.A; ++a) {
         const int64_t n = p.start[a + 1] - p.start[a];
@@ -684,7 +762,7 @@ int64_t down_rows(const Plan& p, int64_t h0, int64_t h1) {
         for (int64_t ht = h0; ht < h1; ++ht) {
             if (ht == h1 - 1) {
                 if (a + 1 < p.A) prefetch_start(down_tile(p, a + 1, h0));
-                else claimed = claim2(p);
+                else next = next2(p, tid);
             }
             for (int64_t c0 = 0; c0 < n; c0 += kTokensPerCall) {
                 const int cnt = int(n - c0 < kTokensPerCall ? n - c0 : kTokensPerCall);
@@ -699,17 +777,19 @@ int64_t down_rows(const Plan& p, int64_t h0, int64_t h1) {
         }
     }
     write_rows(p, h0, h1);
-    return claimed;
+    return next;
 }
 
 // The first row tile of this thread's phase-2 stretch, and its end.
 int64_t down_begin(const Plan& p, int tid, int nthreads) { return p.static2 * tid / nthreads; }
 int64_t down_end(const Plan& p, int tid, int nthreads) { return p.static2 * (tid + 1) / nthreads; }
 
-// Phase 2 for one thread: its stretch of row tiles, then single row tiles while any are left.
+// Phase 2 for one thread: its stretch of row tiles (whole, or a tile at a time with work
+// stealing), then single row tiles while any are left.
 void phase2_down(const Plan& p, int tid, int nthreads) {
-    for (int64_t h = down_rows(p, down_begin(p, tid, nthreads), down_end(p, tid, nthreads)); h < p.g.tiles2;)
-        h = down_rows(p, h, h + 1);
+    Span rows = p.stretch2 ? Span{} : Span{down_begin(p, tid, nthreads), down_end(p, tid, nthreads)};
+    do rows = down_rows(p, tid, rows);
+    while (!rows.empty());
 }
 
 const uint8_t* first_down_tile(const Plan& p, int tid, int nthreads) {
@@ -726,6 +806,10 @@ void moe_job(void* ctx, int tid, int nthreads) {
     prof.at(tid, 1);
     state().pool.barrier();
     prof.at(tid, 2);
+    if (g_tuning.stall_ns && tid == nthreads - 1) {  // testing only (tandem_debug_stall)
+        const timespec ts{g_tuning.stall_ns / 1000000000, g_tuning.stall_ns % 1000000000};
+        nanosleep(&ts, nullptr);
+    }
     phase1_gate_up(p, tid);
     prof.at(tid, 3);
     if (const uint8_t* next = first_down_tile(p, tid, nthreads)) prefetch_start(next);
@@ -776,7 +860,9 @@ bool route(Plan& p, int nthreads) {
     // of the cost W, thread i starts at W' * i / N; the tiles after split[N] are claimed in chunks.
     int64_t total = 0;
     for (int a = 0; a < A; ++a) total += p.g.tiles1 * (kTileCostTokens + start[a + 1] - start[a]);
-    const int64_t pct = std::clamp<int64_t>(g_tuning.dynamic_pct, 0, 100), up_front = total * (100 - pct) / 100;
+    // (With work stealing all of it is split up front: the stretches balance themselves.)
+    const int64_t pct = g_tuning.steal ? 0 : std::clamp<int64_t>(g_tuning.dynamic_pct, 0, 100);
+    const int64_t up_front = total * (100 - pct) / 100;
     int64_t cum = 0;
     int a = 0;
     for (int i = 0; i <= nthreads; ++i) {
@@ -834,7 +920,16 @@ int run_call(tandem_call* c) {
         if (!p.x || !p.act || (p.acts == ACTS_INT8 && !p.act8) || !p.acc || !route(p, nthreads)) return ST_NO_MEMORY;
         s.next1.store(p.split[nthreads], std::memory_order_relaxed);
         s.next2.store(p.static2, std::memory_order_relaxed);
-        p.next1 = &s.next1, p.next2 = &s.next2;
+        p.next1 = &s.next1, p.next2 = &s.next2, p.steals = &s.steals, p.nthreads = nthreads;
+        p.stretch1 = p.stretch2 = nullptr;
+        if (g_tuning.steal) {  // (the pool's run() publishes these stores to the workers)
+            for (int t = 0; t < nthreads; ++t) {
+                s.stretch1[t].span.store(pack_span(p.split[t], p.split[t + 1]), std::memory_order_relaxed);
+                s.stretch2[t].span.store(pack_span(down_begin(p, t, nthreads), down_end(p, t, nthreads)),
+                                         std::memory_order_relaxed);
+            }
+            p.stretch1 = s.stretch1, p.stretch2 = s.stretch2;
+        }
         if (prof.on) prof.run_start = now_ns(), prof.route_ns += prof.run_start - pass_start;
         s.pool.run(moe_job, &p);
         if (prof.on) prof.add_pass(nthreads, now_ns());
@@ -938,6 +1033,23 @@ TANDEM_API int tandem_read_profile(double* out, int max_threads) {
 TANDEM_API void tandem_set_balance(int dynamic_pct) {
     std::lock_guard<std::mutex> lock(state().mutex);
     if (dynamic_pct >= 0) g_tuning.dynamic_pct = std::min(dynamic_pct, 100);
+}
+
+// Work stealing instead of claimed chunks (moe.h Tuning): 1 on, 0 off, negative: keep. Results do
+// not depend on it.
+TANDEM_API void tandem_set_steal(int on) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    if (on >= 0) g_tuning.steal = on != 0;
+}
+
+// Chunks of work a thread took from another's stretch since the last read (work stealing), then 0.
+TANDEM_API int64_t tandem_take_steals() { return state().steals.exchange(0); }
+
+// Testing: thread N-1 of each call sleeps this long before its gate/up tiles (0: never), so that
+// the others must take its stretch.
+TANDEM_API void tandem_debug_stall(int64_t ns) {
+    std::lock_guard<std::mutex> lock(state().mutex);
+    g_tuning.stall_ns = ns > 0 ? ns : 0;
 }
 
 TANDEM_API int64_t tandem_expert_bytes(int fmt, int hidden, int inter) { return Geometry(fmt, hidden, inter).expert_bytes; }
