@@ -151,6 +151,9 @@ def main() -> None:
                     help="experts per layer (fewer than the shape's, to fit RAM; bytes per token do not change)")
     ap.add_argument("--handoff", default="hostfunc",
                     help=f"--cpu-moe-handoff, or several ({','.join(HANDOFFS)}): each measured in turn (CUDA)")
+    ap.add_argument("--steal", default="off", choices=("off", "on", "off,on"),
+                    help="the CPU kernel's work stealing (cpu_experts.set_steal); off,on measures each hand-off both "
+                         "ways, labelled <handoff>+steal")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure the hand-offs this many times, interleaved; each figure is the median")
     ap.add_argument("--out", default=None)
@@ -158,6 +161,9 @@ def main() -> None:
     handoffs = args.handoff.split(",")
     if any(h not in HANDOFFS for h in handoffs) or (args.device != "cuda" and handoffs != ["hostfunc"]):
         raise SystemExit(f"--handoff takes {', '.join(HANDOFFS)} (on CUDA; a CPU run calls the kernel directly)")
+    # What is measured in turn: (label, hand-off, work stealing)
+    variants = [(h + ("+steal" if on else ""), h, on) for h in handoffs
+                for on in {"off": (False,), "on": (True,), "off,on": (False, True)}[args.steal]]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from tandem.config import parse_size
 
@@ -196,8 +202,9 @@ def main() -> None:
         bells = {h: Doorbell() if h == "poll" else None for h in handoffs}
         zero_rows = torch.zeros(1, dtype=torch.int32, device=device)
 
-        def use(handoff: str, rows: torch.Tensor | None = None) -> None:
+        def use(handoff: str, steal: bool, rows: torch.Tensor | None = None) -> None:
             """CPU experts on every offloaded layer, handed off so (rows: the count the kernel is told)."""
+            cpu_experts.set_steal(steal)
             if device == "cuda":
                 for i, layer in sink.layers.items():
                     model.moe_blocks()[i].set_executor(CpuMoEExecutor(layer, sink.staging, rows=rows,
@@ -205,8 +212,8 @@ def main() -> None:
 
         rows = [{"batch": b, "by_handoff": {}} for b in batches]
         runs: dict[tuple[int, str], list[dict]] = {}  # (batch, hand-off) -> one dict per repeat
-        for n, handoff in enumerate(handoffs * args.repeats):
-            use(handoff)
+        for n, (label, handoff, steal) in enumerate(variants * args.repeats):
+            use(handoff, steal)
             engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
             for row in rows:
                 b = row["batch"]
@@ -217,23 +224,23 @@ def main() -> None:
                 step_ms = 1e3 * b / r["decode_tok_s"]
                 cpu_bytes = row["distinct_experts"] * per_expert * len(sink.layers)
                 got = {**r, "step_ms": step_ms, "roofline_share": 1e3 * cpu_bytes / ram / step_ms}
-                runs.setdefault((b, handoff), []).append(got)
+                runs.setdefault((b, label), []).append(got)
                 if n == 0:
                     row.update(expert_bytes_per_step=cpu_bytes, roofline_ms=1e3 * cpu_bytes / ram,
                                kernel_gbps=row["distinct_experts"] * per_expert / row["kernel_ms"] / 1e6)
-                print(f"batch {b} ({handoff}): {r['decode_tok_s']:.2f} tok/s ({step_ms:.1f} ms a step, "
+                print(f"batch {b} ({label}): {r['decode_tok_s']:.2f} tok/s ({step_ms:.1f} ms a step, "
                       f"{r['graph_steps']} graph steps), kernel {row['kernel_ms']:.2f} ms a layer "
                       f"({row['kernel_gbps']:.1f} GB/s), RAM roofline share {got['roofline_share']:.0%}", flush=True)
             del engine
             gc.collect()
             if device == "cuda":  # the copies and hand-offs with nothing computed: the offload's own cost
                 torch.cuda.empty_cache()
-                use(handoff, rows=zero_rows)
+                use(handoff, steal, rows=zero_rows)
                 engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
                 for row in rows:
                     b = row["batch"]
                     run_decode(engine, b, args.prompt, 8, seed=500 + b)
-                    runs[(b, handoff)][-1]["transfer_only_ms"] = 1e3 * b / run_decode(
+                    runs[(b, label)][-1]["transfer_only_ms"] = 1e3 * b / run_decode(
                         engine, b, args.prompt, args.new_tokens, seed=600 + b)["decode_tok_s"]
                 del engine
                 gc.collect()
@@ -242,11 +249,11 @@ def main() -> None:
             if bell is not None:
                 bell.check()
         for row in rows:  # per hand-off: the median of its repeats (by step time), and every step time
-            for handoff in handoffs:
-                got = sorted(runs[(row["batch"], handoff)], key=lambda g: g["step_ms"])
-                row["by_handoff"][handoff] = {**got[(len(got) - 1) // 2], "step_ms_runs": [g["step_ms"] for g in got]}
+            for label, _, _ in variants:
+                got = sorted(runs[(row["batch"], label)], key=lambda g: g["step_ms"])
+                row["by_handoff"][label] = {**got[(len(got) - 1) // 2], "step_ms_runs": [g["step_ms"] for g in got]}
                 if "transfer_only_ms" in got[0]:
-                    row["by_handoff"][handoff]["transfer_only_ms"] = statistics.median_low(
+                    row["by_handoff"][label]["transfer_only_ms"] = statistics.median_low(
                         g["transfer_only_ms"] for g in got)
         for i in sink.layers:  # the GPU side alone, in the same graphs
             model.moe_blocks()[i].set_executor(ZeroExperts())
@@ -265,7 +272,7 @@ def main() -> None:
                     per_layer = f", copies + hand-off {got['transfer_us_per_layer']:.0f} us a layer"
                 print(f"batch {b} ({handoff}): GPU side {row['gpu_side_ms']:.2f} ms, predicted {row['predicted_ms']:.1f} "
                       f"ms, measured {got['step_ms']:.1f} ms ({got['step_over_predicted']:.3f}x){per_layer}", flush=True)
-            row.update({k: v for k, v in row["by_handoff"][handoffs[0]].items() if k not in row})
+            row.update({k: v for k, v in row["by_handoff"][variants[0][0]].items() if k not in row})
         results["decode"] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
