@@ -241,6 +241,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (default 1)")
     ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--prompts-per-slot", type=int, default=0, metavar="N",
+                    help="each concurrency level runs max(--prompts, N x concurrency) prompts: rounds long enough "
+                         "to time at high concurrency (96 prompts at 16 took 0.45 s a round on the H200 box, whose "
+                         "rounds then spread by +-20%%)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--phase-k-fit", default=None, metavar="JSON",
                     help='also run `phase` with these phase_k (";" between them), e.g. \'{"reasoning": 4, "content": 3}\' '
@@ -256,7 +260,11 @@ def main() -> None:
     ap.add_argument("--traces", default=None, help="also record DSpark K=kmax verify traces here")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompts = workload(args.prompts)
+    prompts = workload(max(args.prompts, args.prompts_per_slot * max(levels)))
+
+    def level_prompts(c: int) -> list[list[int]]:  # the same first prompts at every level
+        return prompts[: max(args.prompts, args.prompts_per_slot * c)]
+
     table = configs(args.methods.split(","), args.kmax, [json.loads(f) for f in args.phase_k_fit.split(";")] if args.phase_k_fit else [])
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
@@ -282,7 +290,7 @@ def main() -> None:
         # than the rest (a cold host). It also lets auto learn, as a serving engine would have.
         for c in levels:
             for name in names:
-                _, seconds = run_level(llms[name], prompts, c, args.max_tokens)
+                _, seconds = run_level(llms[name], level_prompts(c), c, args.max_tokens)
                 if clocks[name] is not None:
                     clocks[name].take()
                 if step_clocks[name] is not None:
@@ -294,7 +302,7 @@ def main() -> None:
             for name in names[r % len(names):] + names[: r % len(names)]:
                 llm = llms[name]
                 before, ahead = counters(llm), llm.engine.num_async_steps
-                tokens, seconds = run_level(llm, prompts, c, args.max_tokens)
+                tokens, seconds = run_level(llm, level_prompts(c), c, args.max_tokens)
                 after, ahead = counters(llm), llm.engine.num_async_steps - ahead
                 results[name][c].append(tokens / seconds)
                 stage = clocks[name].take() if clocks[name] is not None else {}
@@ -307,8 +315,8 @@ def main() -> None:
                     if steps:
                         details[name][c]["wall_by_step_kind"] = steps
                 print(f"round {r + 1} conc {c:>2} {name:<28} {tokens / seconds:8.1f} tok/s ({tokens} tokens)", flush=True)
-    report = {"rounds": args.rounds, "prompts": len(prompts), "max_tokens": args.max_tokens, "device": args.device,
-              "results": {}}
+    report = {"rounds": args.rounds, "prompts": {c: len(level_prompts(c)) for c in levels}, "max_tokens": args.max_tokens,
+              "device": args.device, "results": {}}
     print(f"\nmedian tok/s over {args.rounds} rounds (median of each round's ratio to no speculation in that round)")
     print(f"{'config':<28}" + "".join(f"{'conc ' + str(c):>18}" for c in levels))
     for name in table:
