@@ -181,8 +181,9 @@ def test_draft_model_chains_replay_graphs_and_give_its_greedy_tokens():
         for req, d in zip(reqs, drafts):
             req.output_token_ids += d.tokens[:1] + [(d.tokens[1] + 1) % 100 if len(d.tokens) > 1 else 7]
     assert checked == sum([7, 1, 3, 0, 5]) + sum([2, 6, 0, 7, 4])
-    assert _count(llm, "spec_decode_drafter_steps", "eager") == 0
-    assert _count(llm, "spec_decode_drafter_steps", "cuda_graph") >= 6 + 6
+    # propose() outside an engine step: the forwards are still the SpecDecoder's, not yet counted in /metrics
+    forwards = llm.engine.spec.take_drafter_forwards()
+    assert forwards.get("eager", 0) == 0 and forwards.get("cuda_graph", 0) >= 6 + 6, forwards
 
 
 @pytest.mark.parametrize("spec", [None, {"method": "dspark", "num_speculative_tokens": 3}])
