@@ -314,6 +314,10 @@ def main() -> None:
                         details[name][c]["stage_s"] = {k: round(v, 4) for k, v in stage.items()}
                     if steps:
                         details[name][c]["wall_by_step_kind"] = steps
+                    auto = llm.engine.spec.auto if llm.engine.spec is not None else None
+                    if auto is not None:  # what the cost model learned on top of its tables, by (bucket, drafter ran)
+                        details[name][c]["residual_ms"] = {f"{b}{'+draft' if d else ''}": round(1e3 * v, 4)
+                                                           for (b, d), v in sorted(auto.cost.residual.items())}
                 print(f"round {r + 1} conc {c:>2} {name:<28} {tokens / seconds:8.1f} tok/s ({tokens} tokens)", flush=True)
     report = {"rounds": args.rounds, "prompts": {c: len(level_prompts(c)) for c in levels}, "max_tokens": args.max_tokens,
               "device": args.device, "results": {}}

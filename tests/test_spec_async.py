@@ -101,6 +101,36 @@ def test_auto_times_the_steps_ahead_and_learns_their_cost(demo_prompts):
     assert (1, False) in auto.cost.residual  # learned from the steps ahead
 
 
+def test_a_batch_held_at_k0_repeats_without_a_look_until_its_requests_change(demo_prompts, monkeypatch):
+    """While auto holds a batch at K = 0 and the scheduler's running set stays the same, a step
+    ahead takes a step of the hold without looking at the batch (`SpecDecoder.repeat_zero`):
+    `plan_ahead` runs once per hold, not once per step. A request that arrives ends that at once
+    (it is looked at, and searched, with the others). Tokens unchanged."""
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO},
+              async_scheduling=True, **COMMON)
+    eng = llm.engine
+    spec = eng.spec
+    never_pays(spec.auto)
+    looks: list[tuple[int, int]] = []  # (async steps so far, requests looked at)
+    plan_ahead = spec.plan_ahead
+    monkeypatch.setattr(spec, "plan_ahead", lambda reqs, changes=None: looks.append(
+        (eng.num_async_steps, len(reqs))) or plan_ahead(reqs, changes))
+    eng.add_request("r0", ids[0], GREEDY)
+    got: dict[str, list[int]] = {"r0": [], "r1": []}
+    arrived = None
+    while eng.has_unfinished:
+        if arrived is None and len(got["r0"]) >= 40:
+            arrived = eng.num_async_steps
+            eng.add_request("r1", ids[1], GREEDY)
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+    assert list(got.values()) == ref[:2]
+    alone = [at for at, n in looks if at < arrived]
+    assert arrived >= 30 and len(alone) <= arrived // 8, (arrived, alone)
+    assert any(n == 2 and at <= arrived + 4 for at, n in looks), looks  # r1 seen with r0 within steps
+
+
 def test_draft_model_auto_catches_up_after_steps_ahead(demo_prompts):
     ids, ref = demo_prompts
     llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO},

@@ -400,10 +400,11 @@ def test_requests_that_reuse_ids_of_a_finished_batch_are_searched_afresh(monkeyp
     assert searched
 
 
-def test_an_all_zero_choice_found_again_for_the_same_batch_is_held_longer(monkeypatch):
-    # At K = 0 nothing new is verified: a search that finds all zero again for the same requests
-    # in the same phases stands twice as long each time (up to ZERO_HOLD_MAX steps), so a plain
-    # step rarely pays for a search; a new request searches at once and is held REFRESH_STEPS again.
+def test_an_all_zero_choice_found_again_is_held_longer_also_for_a_changed_batch(monkeypatch):
+    # At K = 0 nothing new is verified: a search that finds all zero again stands twice as long
+    # each time (up to ZERO_HOLD_MAX steps), so a plain step rarely pays for a search; a new
+    # request searches at once, and all zero found for it stands as long (requests come and go
+    # every few steps at 16: restarting at REFRESH_STEPS on each was most of auto's host time).
     from tandem.spec import auto as auto_module
 
     searches = []
@@ -434,8 +435,11 @@ def test_an_all_zero_choice_found_again_for_the_same_batch_is_held_longer(monkey
     assert max(runs) == auto_module.ZERO_HOLD_MAX - 1
     assert len(searches) <= 400 // (4 * auto_module.REFRESH_STEPS), len(searches)  # 50 at a fixed refresh
     searches.clear()
-    runs = drive([*ids, "r8"], 2 * auto_module.REFRESH_STEPS)  # a new request: searched, then held afresh
-    assert searches and runs and runs[0] <= auto_module.REFRESH_STEPS - 1
+    runs = drive([*ids, "r8"], 2 * auto_module.ZERO_HOLD_MAX)  # a new request: searched, then held as long
+    assert len(searches) <= 3 and runs and runs[0] == auto_module.ZERO_HOLD_MAX - 1, (searches, runs)
+    searches.clear()
+    runs = drive(ids, auto_module.REFRESH_STEPS)  # r8 left: the smaller batch is searched at once
+    assert len(searches) == 1 and auto.choose(ids, ["reasoning"] * 8, [99] * 8) == [0] * 8
 
 
 def test_a_costly_catch_up_spaces_the_probes_out_of_k0():

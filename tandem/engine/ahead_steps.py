@@ -141,8 +141,11 @@ class AheadSteps:
         `prev` (`SpecDecoder.plan_ahead`), so the step after it can go ahead. Without: True."""
         if self.spec is None:
             return True
+        changes = self.scheduler.running_changes
+        if self.spec.repeat_zero(changes):  # the same batch, still held at K = 0
+            return True
         decoding = [s.request for s in prev.sched.scheduled if s.samples and s.request.status == RequestStatus.RUNNING]
-        return self.spec.plan_ahead(decoding)
+        return self.spec.plan_ahead(decoding, changes if len(decoding) == len(self.scheduler.running) else None)
 
     def _land(self, step: InFlightStep) -> list[RequestOutput]:
         """The in-flight step's tokens: appended and checked (`_postprocess`; a request stopped or

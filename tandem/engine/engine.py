@@ -42,7 +42,7 @@ from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger("tandem")
 
 GiB = 1024**3
-HELD_STEPS_TIMED = 4  # one step in this many of a held K choice refines the step-cost model (`_time_step`)
+HELD_STEPS_TIMED = 8  # one step in this many of a held K choice refines the step-cost model (`_time_step`)
 MAX_HELD_UNCOUNTED = 64  # a held K choice's repeats are counted at least this often (`_count_spec_step`)
 
 
@@ -422,6 +422,8 @@ class LLMEngine(AheadSteps):
             self._flush_k_counts()
             self._k_seen = counts
             self._count_k(counts, 1)
+        if not self.spec.drafter_forwards:  # (most steps at K = 0)
+            return
         for mode, n in self.spec.take_drafter_forwards().items():
             if n:
                 self.metrics.child(self.metrics.drafter_steps, model_name=self.model_name, mode=mode).inc(n)

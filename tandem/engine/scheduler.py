@@ -74,6 +74,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Bumped whenever `running` gains or loses a request: equal values mean the same batch
+        # (the speculative stage repeats a held choice on that alone, `SpecDecoder.repeat_zero`).
+        self.running_changes = 0
 
     # -- queue management -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -93,6 +96,7 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self.running_changes += 1
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
@@ -193,6 +197,7 @@ class Scheduler:
             req.num_computed_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.running_changes += 1
             out.scheduled.append(ScheduledRequest.of(req, n))
             budget -= n
         if ahead and not out.scheduled:
@@ -223,6 +228,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.running_changes += 1
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

@@ -159,8 +159,10 @@ class AutoK:
         self._to_hold: tuple[list[str], list[str], list[str], list[int], list[int], list[int]] | None = None
         self._held_steps = 0
         # Steps an all-zero choice may stand from the search that made it: REFRESH_STEPS, doubled
-        # (up to ZERO_HOLD_MAX) each time a search of the same requests in the same phases finds
-        # all zero again, back to REFRESH_STEPS once a search drafts for any of them.
+        # (up to ZERO_HOLD_MAX) each time a search finds all zero again, back to REFRESH_STEPS once
+        # a search drafts. Not per batch: requests come and go (at 16, one every few steps), each
+        # change searches at once, and what an all-zero finding rests on (the phases' estimates and
+        # the step costs) does not move at K = 0, except by probes, which end a hold when due.
         self._zero_refresh = REFRESH_STEPS
         # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step).
         self._batch: tuple[tuple[str, ...], tuple[str, ...], int, list[int], int] | None = None
@@ -172,6 +174,8 @@ class AutoK:
 
     def choose(self, ids: Sequence[str], phases: Sequence[str], limits: Sequence[int]) -> list[int]:
         """Each request's K for this step (0 .. its limit, from 0 and the captured depths)."""
+        if not ids:  # a step of prompt work alone: nothing to choose, and no hold to end
+            return []
         # The statistics are kept per phase and context: whether the request's last verify
         # accepted its whole draft (predictable text comes in runs: on the demo pair's DSpark
         # traces the first draft token is accepted 83% of the time after a full accept, 65% after
@@ -256,14 +260,10 @@ class AutoK:
             if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
                 self._in_run[rid] = True
             self._pending[rid] = _Pending(phases[i], key, rates[i])
-        # the batch the last all-zero hold was for
-        refound = self._hold_kind == "zero" and self._hold_of == (list(ids), list(phases))
-        if not refound:
-            self._zero_refresh = REFRESH_STEPS
         # A batch's hold is worked out by the first `repeat` that asks (a synchronous step never does).
         self._hold, self._to_hold = 0, (list(ids), list(phases), keys, list(ks), unprobed, list(limits)) if any(ks) else None
         if not any(ks) and (hold := self._zero_hold(ids, keys, limits, idle, searched)):
-            if refound and searched and searched[0] == self._step:  # all zero again, from a search just made
+            if searched[0] == self._step:  # all zero again, from a search just made (see _zero_refresh)
                 self._zero_refresh = min(2 * self._zero_refresh, ZERO_HOLD_MAX)
             self._set_hold("zero", hold, ids, phases, keys, ks)
         return ks
@@ -336,6 +336,24 @@ class AutoK:
         if self._hold_kind == "zero":
             self._held_steps += 1
         return list(self._held_ks)
+
+    def holds_zero(self, requests: Sequence[object]) -> bool:
+        """Whether an all-zero hold with steps left stands for exactly these requests (in order)."""
+        held = self._hold_of[0]
+        return (self._hold > 0 and self._hold_kind == "zero" and len(held) == len(requests)
+                and all(rid == r.request_id for rid, r in zip(held, requests)))
+
+    def repeat_zero(self) -> bool:
+        """One more step of an all-zero hold, for the batch it was set for: the caller vouches that
+        the batch is unchanged (`SpecDecoder.repeat_zero`: the scheduler's running set is), so
+        nothing is compared. False, changing nothing, when no all-zero hold stands (it ran out, a
+        request left, or a choice replaced it)."""
+        if self._hold <= 0 or self._hold_kind != "zero":
+            return False
+        self._hold -= 1
+        self._step += 1
+        self._held_steps += 1
+        return True
 
     def _repeat_batch(self) -> bool:
         """A held batch's step, with the bookkeeping `choose`'s per-request loop does: each
@@ -414,7 +432,7 @@ class AutoK:
         from (searched[i]: the step of request i's, its own or the batch's) expires or a request's
         next probe falls due (0 while a phase lacks evidence: it probes; 0 for a request choosing
         after a rejection: at K = 0 its context changes next step). A search that keeps finding
-        all zero for the same batch stands longer each time (`_zero_refresh`): at K = 0 nothing
+        all zero stands longer each time, whichever requests it is for (`_zero_refresh`): at K = 0 nothing
         new is verified, so the estimates it ran on move only with the step times and probes
         (which end a hold when due), and a search every REFRESH_STEPS steps was most of what a
         plain step costs the host on top of no speculation."""
