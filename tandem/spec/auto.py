@@ -331,17 +331,12 @@ class AutoK:
         if self._hold_kind == "batch" and not self._repeat_batch():
             self._hold = 0
             return None
-        self._hold -= 1
-        self._step += 1
-        if self._hold_kind == "zero":
-            self._held_steps += 1
+        self._take_held_step()
         return list(self._held_ks)
 
-    def holds_zero(self, requests: Sequence[object]) -> bool:
+    def holds_zero(self, ids: Sequence[str]) -> bool:
         """Whether an all-zero hold with steps left stands for exactly these requests (in order)."""
-        held = self._hold_of[0]
-        return (self._hold > 0 and self._hold_kind == "zero" and len(held) == len(requests)
-                and all(rid == r.request_id for rid, r in zip(held, requests)))
+        return self._hold > 0 and self._hold_kind == "zero" and list(ids) == self._hold_of[0]
 
     def repeat_zero(self) -> bool:
         """One more step of an all-zero hold, for the batch it was set for: the caller vouches that
@@ -350,10 +345,16 @@ class AutoK:
         request left, or a choice replaced it)."""
         if self._hold <= 0 or self._hold_kind != "zero":
             return False
+        self._take_held_step()
+        return True
+
+    def _take_held_step(self) -> None:
+        """A step of the hold: counted as chosen (an all-zero hold's steps are added to its
+        requests' same-K counts at the next `choose`, `_apply_held`)."""
         self._hold -= 1
         self._step += 1
-        self._held_steps += 1
-        return True
+        if self._hold_kind == "zero":
+            self._held_steps += 1
 
     def _repeat_batch(self) -> bool:
         """A held batch's step, with the bookkeeping `choose`'s per-request loop does: each

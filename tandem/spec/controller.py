@@ -286,7 +286,7 @@ class SpecDecoder:
             return False
         if chosen is not None:
             self.commit_ahead(requests, ks)
-        if running_changes is not None and self.auto is not None and self.auto.holds_zero(requests):
+        if running_changes is not None and self.auto is not None and self.auto.holds_zero([r.request_id for r in requests]):
             self._zero_run = running_changes
         return True
 
