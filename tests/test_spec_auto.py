@@ -517,6 +517,30 @@ def test_a_draft_model_skips_prompts_auto_would_not_draft_for_and_catches_up_whe
     assert counter(llm.engine, "spec_decode_num_drafts") > before and drafter_prefills() > prefills
 
 
+def test_a_draft_models_feed_after_a_verify_is_a_drafting_step_auto_learns_from(demo_prompts, monkeypatch):
+    # On a CPU (no graphs) the drafter's feed after a verify (the correction and the last accepted
+    # draft: two query tokens, one logits row) runs eagerly, and the runner calls any such forward
+    # "prefill". Taken as catch-up, every drafting step went to `observe_catch_up` and the cost of
+    # a drafting step was never learned: auto kept drafting at a loss.
+    import tandem.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HELD_STEPS_TIMED", 1)  # every step refines the cost
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO}, **COMMON)
+    auto = llm.engine.spec.auto
+    auto.cost = hand_cost({b: {1: 1.0, 2: 1.01, 3: 1.02} for b in auto.cost.buckets})  # drafting pays
+    caught_up = []
+    observe_catch_up = auto.observe_catch_up
+    auto.observe_catch_up = lambda *a: caught_up.append(a) or observe_catch_up(*a)
+    before = counter(llm.engine, "spec_decode_drafter_steps", mode="eager")
+    out = llm.generate(ids[:1], GREEDY)
+    assert out[0].token_ids == ref[0]
+    drafting = sum(n for (_, drafted), n in auto.cost.observed.items() if drafted)
+    assert drafting >= 10, auto.cost.observed
+    assert len(caught_up) <= 2  # the prompt's feed (and a probe's catch-up), not every step
+    assert counter(llm.engine, "spec_decode_drafter_steps", mode="eager") > before
+
+
 @pytest.mark.parametrize(("truth", "room", "min_held"), [([0.9] * 4, 2500, 300), ([0.8, 0.5, 0.1, 0.05], 1550, 150)],
                          ids=["deepest", "probing"])
 def test_a_held_batch_choice_gives_the_ks_choosing_every_step_gives(truth, room, min_held):

@@ -45,6 +45,17 @@ class _Shadow:
     drafts: list[int] = field(default_factory=list)  # drafts appended after `base` tokens
 
 
+def _feed_mode(mode: str, batch: Sequence[ScheduledRequest]) -> str:
+    """How a feed ran, for the metrics and for auto, which tells a drafter's catch-up or prompt work
+    ("prefill", "prefill_graph") from its steady state. The runner calls any forward with more
+    query tokens than logits rows "prefill"; the feed after a verify (the correction and the last
+    accepted draft: at most two tokens a request) is the drafter's decode step, which a graph of
+    two query tokens replays on a GPU: run eagerly (on a CPU, or no graph fits), it is "eager"."""
+    if mode == "prefill" and all(s.num_tokens <= 2 for s in batch):
+        return "eager"
+    return mode
+
+
 class DraftModelProposer:
     """Drafts from a draft model; see the module docstring.
 
@@ -256,7 +267,7 @@ class DraftModelProposer:
             if not batch:
                 break
             out = self.runner.execute(batch)
-            self.count_forward(out.mode)
+            self.count_forward(_feed_mode(out.mode, batch))
             r = 0
             for s, i in zip(batch, owners):
                 seq = s.request
