@@ -5,7 +5,11 @@ Per shape, format and batch: random routing with the shape's top-k over the kept
 cold (several layers cycled per call, their experts together far larger than the L3), the median
 time of one layer call (`HostJob.run()`, the path a CUDA host node takes), the distinct experts a
 call touched, bytes = distinct x bytes per expert, GB/s and its share of the measured read
-bandwidth. Baselines: a per-expert torch bf16 loop (F.linear per expert hit) and torch's
+bandwidth. The roofline is read again between calls (`--probe-every`: a read of the probe's buffer,
+the best of 3, every N calls; each row's RAM figure and share are against the median of the
+readings taken among its calls, and the rows give their spread): on a shared host the read
+bandwidth swings within a run, and a single probe taken before the calls can sit on a peak or a
+dip. Baselines: a per-expert torch bf16 loop (F.linear per expert hit) and torch's
 `_weight_int4pack_mm_for_cpu` (int4, groups of 32) where this torch has it.
 
     python benchmarks/bench_cpu_moe.py --shape both --fmt bf16,mxfp4,int4 --batches 1,2,4,8 --out results.json
@@ -120,19 +124,22 @@ def seconds(fn: Callable[[], object]) -> float:
 
 
 def row(shape: Shape, impl: str, batch: int, seconds: float, ids: torch.Tensor, bytes_per_expert: int,
-        bandwidth: float) -> dict:
+        readings: list[float]) -> dict:
+    """One implementation at one batch: `readings`, the read bandwidth probed among its calls."""
     distinct = statistics.mean(len(c.unique()) for c in ids)
     nbytes = distinct * bytes_per_expert
+    bandwidth = statistics.median(readings)
     return {"shape": shape.name, "impl": impl, "batch": batch, "median_us": seconds * 1e6, "distinct": distinct,
             "mb_per_call": nbytes / 1e6, "gbps": nbytes / seconds / 1e9, "ram_gbps": bandwidth / 1e9,
+            "ram_gbps_min": min(readings) / 1e9, "ram_gbps_max": max(readings) / 1e9, "probes": len(readings),
             "share": nbytes / seconds / bandwidth}
 
 
-def probe(args: argparse.Namespace, impl: str) -> float:
-    """RAM read bandwidth now, with the weights built (a shared machine drifts during a run)."""
-    bandwidth = ce.measure_read_bandwidth(int(args.bw_gib * GiB), repeats=5)
-    print(f"  {impl}: RAM read {bandwidth / 1e9:.1f} GB/s")
-    return bandwidth
+def probe_due(args: argparse.Namespace, call: int, readings: list[float]) -> None:
+    """Read the roofline before call `call` when one is due (the first call, then every
+    `--probe-every`), with the weights built and the calls' memory traffic around it."""
+    if call == 0 or (args.probe_every and call % args.probe_every == 0):
+        readings.append(args.probe.measure(3))
 
 
 def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) -> list[dict]:
@@ -152,7 +159,6 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
     if len(acts) < len(args.acts):
         print(f"  tandem-{fmt}: no int8 activations for {fmt} weights (only {', '.join(ce.INT8_ACT_FORMATS)})")
     print(f"  tandem-{fmt}: {n_layers} layers x {layer_bytes / GiB:.2f} GiB, {ce.kernel_isa()}, {ce.num_threads()} threads")
-    bandwidth = probe(args, f"tandem-{fmt}")
     rows = []
     for batch in args.batches:
         ids, w = routing(shape, kept, batch, args.calls + args.warmup, seed=batch)
@@ -170,8 +176,9 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
         times: dict[tuple, list[float]] = {st: [] for st in settings}
         profiles: dict[tuple, list[ce.CallProfile]] = {st: [] for st in settings}
         ce.set_profile(args.profile)
-        at = 0
+        at, readings = 0, []
         for c in range(args.warmup + args.calls):
+            probe_due(args, c, readings)
             for isa, pf, act, dyn in settings:
                 if isa is not None:
                     ce.set_isa(isa)
@@ -194,7 +201,7 @@ def bench_tandem(shape: Shape, fmt: str, kept: int, args: argparse.Namespace) ->
                     + ("" if dyn is None else " steal" if dyn == "steal" else f" dyn{dyn}")
                     + ("" if act == "auto" else f" {act}-act"))
             median = statistics.median(ts[args.warmup:])
-            rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, bandwidth)
+            rows.append(row(shape, impl, batch, median, ids[args.warmup:], seed.bytes_per_expert, readings)
                         | {"act_dtype": act} | profile_summary(impl, batch, profiles[(isa, pf, act, dyn)][args.warmup:]))
     return rows
 
@@ -243,15 +250,16 @@ def bench_torch_bf16(shape: Shape, kept: int, args: argparse.Namespace) -> list[
 def time_torch(shape: Shape, impl: str, forward: Callable[..., torch.Tensor], layers: list, kept: int,
                per_expert: int, args: argparse.Namespace) -> list[dict]:
     """A torch baseline's rows: `forward(x, ids, w, *layer)` per batch, cycling over `layers`."""
-    bandwidth = probe(args, impl)
     rows = []
     for batch in args.batches:
         ids, w = routing(shape, kept, batch, args.calls + args.warmup, seed=batch)
         x = torch.randn(batch, shape.hidden).bfloat16()
-        times = [seconds(functools.partial(forward, x, ids[c], w[c], *layers[c % len(layers)]))
-                 for c in range(args.warmup + args.calls)]
+        times, readings = [], []
+        for c in range(args.warmup + args.calls):
+            probe_due(args, c, readings)
+            times.append(seconds(functools.partial(forward, x, ids[c], w[c], *layers[c % len(layers)])))
         median = statistics.median(times[args.warmup:])
-        rows.append(row(shape, impl, batch, median, ids[args.warmup:], per_expert, bandwidth))
+        rows.append(row(shape, impl, batch, median, ids[args.warmup:], per_expert, readings))
     return rows
 
 
@@ -292,13 +300,14 @@ def bench_torch_int4(shape: Shape, kept: int, args: argparse.Namespace) -> list[
 
 
 def print_table(rows: list[dict], bandwidth: float) -> None:
-    print(f"\nRAM read bandwidth (same pool), at the start: {bandwidth / 1e9:.1f} GB/s; 'of bw' is against the probe "
-          "taken just before each implementation's calls (column 'RAM')")
+    print(f"\nRAM read bandwidth (same pool), at the start: {bandwidth / 1e9:.1f} GB/s; 'of bw' is against the median "
+          "of the probes read among each row's calls (column 'RAM', their range beside it)")
     print(f"{'shape':<10} {'impl':<36} {'batch':>5} {'us/call':>9} {'experts':>8} {'MB/call':>8} {'GB/s':>7} "
-          f"{'RAM':>6} {'of bw':>6}")
+          f"{'RAM':>6} {'range':>11} {'of bw':>6}")
     for r in rows:
+        spread = f"{r['ram_gbps_min']:.0f}-{r['ram_gbps_max']:.0f}"
         print(f"{r['shape']:<10} {r['impl']:<36} {r['batch']:>5} {r['median_us']:>9.0f} {r['distinct']:>8.1f} "
-              f"{r['mb_per_call']:>8.1f} {r['gbps']:>7.1f} {r['ram_gbps']:>6.1f} {r['share'] * 100:>5.0f}%")
+              f"{r['mb_per_call']:>8.1f} {r['gbps']:>7.1f} {r['ram_gbps']:>6.1f} {spread:>11} {r['share'] * 100:>5.0f}%")
 
 
 def main() -> None:
@@ -315,6 +324,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=50, help="timed calls per batch")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--bw-gib", type=float, default=1.0, help="buffer of the read-bandwidth probe")
+    p.add_argument("--probe-every", type=int, default=10, metavar="N",
+                   help="read the bandwidth again every N calls (0: once, before each batch's calls)")
     p.add_argument("--max-gib", type=float, default=None, help="memory for one run's weights (default 70%% of available)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     p.add_argument("--quick", action="store_true", help="a small shape and few calls: seconds")
@@ -357,7 +368,8 @@ def main() -> None:
     ce.set_isa(args.isas[0])
     torch.set_num_threads(ce.num_threads())
 
-    bandwidth = ce.measure_read_bandwidth(int(args.bw_gib * GiB), repeats=5)
+    args.probe = ce.ReadProbe(int(args.bw_gib * GiB))
+    bandwidth = args.probe.measure(5)
     switches = {k: v for k, v in os.environ.items() if k.startswith("TANDEM_CPU_")}  # debugging switches in effect
     print(f"{cpu_name()}: kernel {ce.kernel_isa()}, {ce.num_threads()} threads, "
           f"RAM read {bandwidth / 1e9:.1f} GB/s; switches {switches or 'none'}")

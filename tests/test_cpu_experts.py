@@ -538,6 +538,19 @@ def test_compile_failure_shows_the_compiler_output(tmp_path):
 def test_measure_read_bandwidth():
     bw = ce.measure_read_bandwidth(8 << 20, repeats=2)
     assert math.isfinite(bw) and bw > 0
+    with pytest.raises(ValueError, match="positive repeats"):
+        ce.measure_read_bandwidth(8 << 20, repeats=0)
+
+
+def test_a_read_probe_measures_again_on_its_buffer_with_the_threads_it_was_given():
+    pool = ce.num_threads()
+    probe = ce.ReadProbe(8 << 20, threads=1)
+    assert probe.nbytes == 8 << 20 and probe.threads == 1
+    readings = [probe.measure(1) for _ in range(3)]
+    assert all(math.isfinite(r) and r > 0 for r in readings)
+    assert ce.num_threads() == pool  # the pool is given its size back after each measurement
+    with pytest.raises(ValueError, match="positive nbytes and threads"):
+        ce.ReadProbe(0)
 
 
 # ---- int8 activations (act_dtype "int8": int4 / mxfp4 weights) ---------------------------------

@@ -52,7 +52,7 @@ from tandem.offload.cpu_build import CpuKernelBuildError, load_library
 
 __all__ = [
     "WEIGHT_FORMATS", "LOSSY_FORMATS", "CpuKernelBuildError", "CpuExpertLayer", "HostJob", "kernel_isa",
-    "supported_isas", "set_isa", "set_threads", "num_threads", "measure_read_bandwidth", "reference_moe",
+    "supported_isas", "set_isa", "set_threads", "num_threads", "measure_read_bandwidth", "ReadProbe", "reference_moe",
     "quantize_mxfp4", "ACT_DTYPES", "INT8_ACT_FORMATS", "quantize_int8_activations",
 ]
 
@@ -264,29 +264,47 @@ def read_profile() -> CallProfile:
     return CallProfile(int(buf[0]), buf[1], buf[2], rows)
 
 
+class ReadProbe:
+    """RAM read bandwidth, measured again and again on one buffer: allocated and faulted in once
+    (huge pages advised, as the experts' memory: `CpuExpertLayer.empty`), far larger than the
+    caches, read by the kernel's own pool (resized to `threads` while measuring, when given).
+    A benchmark interleaves `measure` with the calls it rates, so that the roofline moves with
+    the machine (on a shared host it swings within a run)."""
+
+    def __init__(self, nbytes: int = 1 << 30, threads: int | None = None) -> None:
+        lib = _lib()
+        self.threads = lib.tandem_num_threads() if threads is None else threads
+        if self.threads < 1 or nbytes < 1:
+            raise ValueError(f"ReadProbe needs positive nbytes and threads; got {nbytes}, {self.threads}")
+        self.nbytes = max(4096 * self.threads, nbytes // 4096 * 4096)
+        self._buf = torch.empty(self.nbytes + 64, dtype=torch.uint8)
+        lib.tandem_advise_huge_pages(self._buf.data_ptr(), self._buf.numel())
+        self._buf.fill_(1)  # fault the pages in before timing
+        self._start = self._buf.data_ptr() + (-self._buf.data_ptr() % 64)
+
+    def measure(self, repeats: int = 3) -> float:
+        """Bytes/s: the best of `repeats` streaming reads of the buffer."""
+        if repeats < 1:
+            raise ValueError(f"ReadProbe.measure needs positive repeats; got {repeats}")
+        lib = _lib()
+        pool = lib.tandem_num_threads()
+        if self.threads != pool:
+            lib.tandem_set_threads(self.threads)
+        try:
+            seconds = lib.tandem_read_seconds(self._start, self.nbytes, self.threads, repeats)
+        finally:
+            if self.threads != pool:
+                lib.tandem_set_threads(pool)
+        return self.nbytes / seconds
+
+
 def measure_read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 3) -> float:
     """RAM read bandwidth in bytes/s: the best of `repeats` streaming reads of an `nbytes` buffer
     (far larger than the caches) by the kernel's own pool (resized to `threads` for the
-    measurement when given)."""
-    lib = _lib()
-    pool = lib.tandem_num_threads()
-    use = pool if threads is None else threads
-    if use < 1 or nbytes < 1 or repeats < 1:
-        raise ValueError(f"measure_read_bandwidth needs positive nbytes, threads and repeats; "
-                         f"got {nbytes}, {use}, {repeats}")
-    n = max(4096 * use, nbytes // 4096 * 4096)
-    buf = torch.empty(n + 64, dtype=torch.uint8)
-    lib.tandem_advise_huge_pages(buf.data_ptr(), buf.numel())  # as the experts' memory (CpuExpertLayer.empty)
-    buf.fill_(1)  # fault the pages in before timing
-    start = -buf.data_ptr() % 64
-    if use != pool:
-        lib.tandem_set_threads(use)
-    try:
-        seconds = lib.tandem_read_seconds(buf.data_ptr() + start, n, use, repeats)
-    finally:
-        if use != pool:
-            lib.tandem_set_threads(pool)
-    return n / seconds
+    measurement when given); one `ReadProbe`, used once."""
+    if repeats < 1:  # before the buffer is allocated
+        raise ValueError(f"measure_read_bandwidth needs positive repeats; got {repeats}")
+    return ReadProbe(nbytes, threads).measure(repeats)
 
 
 # ---- weight conversion ---------------------------------------------------------------------------
