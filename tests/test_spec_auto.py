@@ -541,6 +541,40 @@ def test_a_draft_models_feed_after_a_verify_is_a_drafting_step_auto_learns_from(
     assert counter(llm.engine, "spec_decode_drafter_steps", mode="eager") > before
 
 
+def test_a_draft_models_catch_up_is_learned_as_part_of_what_drafting_costs(demo_prompts, monkeypatch):
+    # A step in which the draft model caught up on a prompt it skipped (K was 0) sets what leaving
+    # K = 0 costs (`observe_catch_up`) and refines the drafting steps' cost too: catch-ups are
+    # part of what drafting costs a draft model (left out, auto drafted at 16 requests where no
+    # speculation was faster: most of the drafter's work fell outside the steps it learned from).
+    import tandem.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HELD_STEPS_TIMED", 1)
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO}, **COMMON)
+    auto = llm.engine.spec.auto
+    buckets = auto.cost.buckets
+    auto.cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0} for b in buckets})  # drafting never pays: prompts skipped
+    for phase in ("reasoning", "content", "tool_call"):
+        for _ in range(20):
+            auto.stats.observe("seed", phase + "+run", 2, 0)
+            auto.stats.observe("seed", phase, 2, 0)
+    llm.engine.add_request("r", ids[0], GREEDY)
+    tokens: list[int] = []
+    for _ in range(4):  # the prompt and a few plain steps: the draft model has seen nothing
+        tokens += [t for o in llm.engine.step() for t in o.new_token_ids]
+    auto.cost = hand_cost({b: {1: 1.0, 2: 1.01, 3: 1.02} for b in buckets})  # now drafting pays
+    auto.stats = type(auto.stats)(auto.max_k)
+    caught_up, learned = [], []
+    catch_up, observe_step = auto.observe_catch_up, auto.observe_step
+    monkeypatch.setattr(auto, "observe_catch_up", lambda ks, d, sec: caught_up.append(sec) or catch_up(ks, d, sec))
+    monkeypatch.setattr(auto, "observe_step", lambda ks, d, sec: learned.append(sec) or observe_step(ks, d, sec))
+    while llm.engine.has_unfinished:
+        tokens += [t for o in llm.engine.step() for t in o.new_token_ids]
+    assert tokens == ref[0]
+    assert caught_up and set(caught_up) <= set(learned)  # the catch-up step refined the drafting cost too
+    assert auto.cost.observed.get((buckets[0], True), 0) >= 2
+
+
 @pytest.mark.parametrize(("truth", "room", "min_held"), [([0.9] * 4, 2500, 300), ([0.8, 0.5, 0.1, 0.05], 1550, 150)],
                          ids=["deepest", "probing"])
 def test_a_held_batch_choice_gives_the_ks_choosing_every_step_gives(truth, room, min_held):

@@ -450,9 +450,14 @@ class SpecDecoder:
     def observe_step(self, sched: SchedulerOutput, seconds: float, drafted: Sequence[int] | None = None
                      ) -> StepPrediction | None:
         """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies
-        refines the cost model and returns its prediction; one with prefill work (its cost is not
-        the model's) returns None: the target's is not learned from, the drafter's (a draft model
-        catching up after steps at K = 0) is what resuming costs (`AutoK.observe_catch_up`)."""
+        refines the cost model and returns its prediction. One with the target's prompt work
+        returns None: its cost is not the model's (and every engine pays it). One in which the
+        drafter ran prompt work of its own (a draft model catching up on a request's prompt or
+        on the tokens it skipped while K was 0) is what resuming costs
+        (`AutoK.observe_catch_up`), and it is learned from too: catch-ups are part of what
+        drafting costs a draft model. Left out, at 16 requests (a new prompt every few steps,
+        requests going in and out of K = 0) most of the drafter's work fell outside the steps
+        the cost was learned from, and auto drafted where none was faster."""
         prefilled, self._drafter_prefilled = self._drafter_prefilled, False
         if self.auto is None or not sched.scheduled:
             return None
@@ -461,9 +466,8 @@ class SpecDecoder:
         ks = [len(s.draft) for s in sched.scheduled]
         if drafted is None:  # `drafted`: the depths a step ahead drafted at (chosen before the last choice)
             drafted = self._drafted_for([s.request.request_id for s in sched.scheduled])
-        if prefilled:  # a draft model catching up on tokens it skipped while K was 0
+        if prefilled:
             self.auto.observe_catch_up(ks, drafted, seconds)
-            return None
         return self.auto.observe_step(ks, drafted, seconds)
 
     def _log_k_change(self, request_id: str, old: int, new: int, phase: Phase) -> None:
