@@ -317,6 +317,41 @@ def test_a_padded_batch_is_searched_once_per_refresh_though_its_requests_context
     assert len(searches) == 2
 
 
+def test_a_padded_batch_whose_requests_change_in_the_same_phases_takes_its_depth_without_a_search(monkeypatch):
+    # At 8-16 requests of ~100 tokens one request finishes and another comes every few steps:
+    # a batch as large, in the same phases, takes the last search's depth for what is left of
+    # REFRESH_STEPS, instead of searching on every change. Not a batch whose phases differ, one
+    # of another size, a request whose room is below the depth, or once REFRESH_STEPS passed.
+    from tandem.spec import auto as auto_module
+
+    searches = []
+    real = auto_module.choose_ks
+    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
+    cost = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
+                     draft={(b, d): 0.1 for b in (1, 2, 4, 8, 16) for d in range(1, 5)})
+    auto, rng = AutoK(4, (1, 2, 3, 4), cost), random.Random(0)
+    ids, phases = [f"r{i}" for i in range(8)], ["reasoning"] * 6 + ["content"] * 2
+    for _ in range(100):  # past the probes of thin evidence
+        for rid, k in zip(ids, auto.choose(ids, phases, [99] * 8)):
+            auto.observe(rid, k, verify(rng, [0.9] * 4, k) if k else 0)
+    auto.remove("r0")  # r0 finished, r8 came, in the same phase
+    searches.clear()
+    swapped = ["r8", *ids[1:]]
+    assert auto.choose(swapped, phases, [99] * 8) == [4] * 8 and not searches
+    assert auto.repeat(swapped) is None  # given, not held: a hold is for the requests it was found for
+    assert auto.choose(swapped, phases[::-1], [99] * 8) == [4] * 8 and not searches  # the same phases, reordered
+    auto.choose(["r9", *ids[1:]], ["content"] + phases[1:], [99] * 8)  # other phases
+    assert len(searches) == 1
+    auto.remove("r9")
+    auto.choose(["r10", *ids[1:]], phases, [2] + [99] * 7)  # room below the depth
+    assert len(searches) == 2
+    auto.remove("r10")
+    for _ in range(auto_module.REFRESH_STEPS):
+        auto._step += 1
+    auto.choose(["r11", *ids[1:]], phases, [99] * 8)  # the last search is REFRESH_STEPS old
+    assert len(searches) == 3
+
+
 def test_a_choice_searches_keep_finding_stands_longer_and_a_phase_switch_searches_at_once(monkeypatch):
     # One request whose drafts are accepted whole about half the time: its two contexts (after a
     # whole accept, after a rejection) each keep a choice, searched every REFRESH_STEPS steps at
