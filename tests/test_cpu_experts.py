@@ -549,6 +549,13 @@ def test_a_read_probe_measures_again_on_its_buffer_with_the_threads_it_was_given
     readings = [probe.measure(1) for _ in range(3)]
     assert all(math.isfinite(r) and r > 0 for r in readings)
     assert ce.num_threads() == pool  # the pool is given its size back after each measurement
+    distances = ce.prefetch()
+    try:  # the AVX-512 probe streams with the kernels' prefetch; it reads with it off too
+        ce.set_prefetch(0, 0)
+        assert ce.prefetch() == (0, 0) and probe.measure(1) > 0
+    finally:
+        ce.set_prefetch(*distances)
+    assert ce.prefetch() == distances
     with pytest.raises(ValueError, match="positive nbytes and threads"):
         ce.ReadProbe(0)
 

@@ -52,7 +52,8 @@ from tandem.offload.cpu_build import CpuKernelBuildError, load_library
 
 __all__ = [
     "WEIGHT_FORMATS", "LOSSY_FORMATS", "CpuKernelBuildError", "CpuExpertLayer", "HostJob", "kernel_isa",
-    "supported_isas", "set_isa", "set_threads", "num_threads", "measure_read_bandwidth", "ReadProbe", "reference_moe",
+    "supported_isas", "set_isa", "set_threads", "prefetch", "set_prefetch", "num_threads", "measure_read_bandwidth",
+    "ReadProbe", "reference_moe",
     "quantize_mxfp4", "ACT_DTYPES", "INT8_ACT_FORMATS", "quantize_int8_activations",
 ]
 
@@ -93,6 +94,7 @@ def _lib() -> ctypes.CDLL:
         ("tandem_unpack_expert", [i, i, i, p, p, p, p], None), ("tandem_moe", [ctypes.POINTER(_Call)], i),
         ("tandem_host_fn", [p], None), ("tandem_read_seconds", [p, i64, i, i], ctypes.c_double),
         ("tandem_advise_huge_pages", [p, i64], i), ("tandem_set_prefetch", [i64, i64], None),
+        ("tandem_get_prefetch", [p, p], None),
         ("tandem_set_profile", [i], None), ("tandem_set_balance", [i], None), ("tandem_set_steal", [i], None),
         ("tandem_take_steals", [], i64), ("tandem_debug_stall", [i64], None),
         ("tandem_read_profile", [ctypes.POINTER(ctypes.c_double), i], i),
@@ -191,6 +193,13 @@ def set_prefetch(l1: int, l2: int) -> None:
     (0: off; -1: leave that one as it is). A tuning switch (TANDEM_CPU_PREFETCH_L1 / _L2 set it at
     load; the defaults are moe.h's Tuning)."""
     _lib().tandem_set_prefetch(l1, l2)
+
+
+def prefetch() -> tuple[int, int]:
+    """The AVX-512 kernels' software-prefetch distances in effect (l1, l2 bytes; `set_prefetch`)."""
+    l1, l2 = ctypes.c_int64(), ctypes.c_int64()
+    _lib().tandem_get_prefetch(ctypes.byref(l1), ctypes.byref(l2))
+    return l1.value, l2.value
 
 
 def set_balance(dynamic_pct: int) -> None:

@@ -499,10 +499,15 @@ struct NibblesAmx {
     }
 };
 
+// The read-bandwidth probe's stream (tandem_read_seconds), with the kernels' software prefetch
+// when g_tuning has it on (the probe reads with it off too).
 uint64_t read_avx512(const uint8_t* buf, int64_t n) {
     __m512i a[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int64_t i = 0; i < n; i += 256)
+    const Prefetch pf;
+    for (int64_t i = 0; i < n; i += 256) {
+        pf.lines<4>(buf + i);
         for (int j = 0; j < 4; ++j) a[j] = _mm512_add_epi64(a[j], _mm512_load_si512(buf + i + 64 * j));
+    }
     __m512i s = _mm512_xor_si512(_mm512_xor_si512(a[0], a[1]), _mm512_xor_si512(a[2], a[3]));
     return uint64_t(_mm512_reduce_add_epi64(s));
 }
