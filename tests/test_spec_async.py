@@ -229,3 +229,42 @@ def test_a_held_k_choice_is_counted_once_per_run_of_repeats(demo_prompts):
         eng._count_spec_step()
     eng.stats_line()  # the stats line counts what waits
     assert k0() - start == 5 * 3 + 2 + 3 * 3
+
+
+def test_a_step_ahead_carries_the_drafters_prompt_work_to_its_landing_and_is_not_a_plain_steps_cost(
+        demo_prompts, monkeypatch):
+    # A draft model fed a prompt chunk when a plain step went ahead (`_observe` at its launch):
+    # that work is queued before the step's sampling, so the step's landing waits for it. The
+    # flag goes with the step (`InFlightStep.drafter_prefilled`), and its time refines what
+    # leaving K = 0 costs, not the plain steps' cost (learned as one, at 16 requests it made
+    # K = 0 look dearer than drafting on the H100 box).
+    import tandem.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HELD_STEPS_TIMED", 1)
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 3, **AUTO},
+              async_scheduling=True, **COMMON)
+    eng, spec = llm.engine, llm.engine.spec
+    never_pays(spec.auto)
+    observe = spec.observe
+
+    def prompt_work_on_every_launch(sched, accepted, aux):  # as if each plain step fed a prompt chunk
+        observe(sched, accepted, aux)
+        spec._drafter_prefilled = True
+
+    monkeypatch.setattr(spec, "observe", prompt_work_on_every_launch)
+    landed, caught_up = [], []
+    time_step = eng._time_step
+    monkeypatch.setattr(eng, "_time_step", lambda sched, since, drafted=None, prefilled=None: (
+        landed.append(prefilled), time_step(sched, since, drafted, prefilled))[-1])
+    catch_up = spec.auto.observe_catch_up
+    monkeypatch.setattr(spec.auto, "observe_catch_up", lambda *a: caught_up.append(a) or catch_up(*a))
+    out = llm.generate(ids[:1], GREEDY)
+    assert out[0].token_ids == ref[0]
+    assert eng.num_async_steps > 10 and landed.count(True) > 10  # the steps ahead carried it
+    assert len(caught_up) > 10
+    assert not any(not drafting for _, drafting in spec.auto.cost.observed)  # no plain step learned
+    # The same steps without the prompt work are plain steps' cost.
+    monkeypatch.setattr(spec, "observe", observe)
+    llm.generate(ids[1:2], GREEDY)
+    assert any(not drafting for _, drafting in spec.auto.cost.observed)

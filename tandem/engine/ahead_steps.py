@@ -40,7 +40,9 @@ class AheadSteps:
         # may give back a sliding window's blocks, which must carry their hashes when they go. A
         # later step that hits them runs after this one on the device.
         self.scheduler.commit(sched)
-        self._in_flight = InFlightStep.launch(sched, tokens, logprobs, chained=prev is not None)
+        prefilled = self.spec is not None and self.spec.take_drafter_prefilled()  # by `_observe`, just before
+        self._in_flight = InFlightStep.launch(sched, tokens, logprobs, chained=prev is not None,
+                                              drafter_prefilled=prefilled)
         self.num_async_steps += 1
         return True
 
@@ -157,5 +159,5 @@ class AheadSteps:
         # one step costs with its host work overlapped. The first of a run also carries the
         # call that launched it, which overlapped nothing (and one landing after the engine ran
         # dry, the time it sat idle).
-        self._time_step(step.sched, self._results_at if step.chained else None)
+        self._time_step(step.sched, self._results_at if step.chained else None, prefilled=step.drafter_prefilled)
         return outputs

@@ -355,23 +355,26 @@ class LLMEngine(AheadSteps):
             return self._fail_step("updating the drafter", e, [s.request for s in sched.scheduled])
         return None
 
-    def _time_step(self, sched: SchedulerOutput, since: float | None, drafted: Sequence[int] | None = None) -> None:
+    def _time_step(self, sched: SchedulerOutput, since: float | None, drafted: Sequence[int] | None = None,
+                   prefilled: bool | None = None) -> None:
         """adaptive auto: the step's measured time (from `since`: the previous step's results,
         `_results_at`, or the call's start after the engine ran dry; None: not timed) refines the
         controller's cost model; predicted and measured go to the stats line and /metrics. Timing
-        from the previous step's results counts what the engine does between steps too."""
+        from the previous step's results counts what the engine does between steps too.
+        `prefilled`: whether the drafter's prompt work is in the step's time (a step that went
+        ahead carries it from its launch); None: whatever it ran since the last timed step."""
         now = time.perf_counter()
         self._results_at = now if self.has_unfinished else None
         if self._results_at is None:
             self._flush_k_counts()  # the engine ran dry: /metrics and the stats line see every step
         if since is None or self.spec is None or self.spec.auto is None:
             return
-        if self._k_repeats % HELD_STEPS_TIMED and not self.spec.drafter_prefilled:
+        if self._k_repeats % HELD_STEPS_TIMED and not (self.spec.drafter_prefilled if prefilled is None else prefilled):
             # A step of a held choice: one in HELD_STEPS_TIMED refines the cost (the step-time EMA
             # and the predicted / measured metrics are averages: a sample of these steps keeps them)
             return
         seconds = now - since
-        prediction = self.spec.observe_step(sched, seconds, drafted)
+        prediction = self.spec.observe_step(sched, seconds, drafted, prefilled)
         if prediction is not None:
             self.metrics.count_step_time(prediction.predicted, seconds)
             self._window.count_step_time(prediction.predicted, seconds)

@@ -41,21 +41,24 @@ class InFlightStep:
     host: list[torch.Tensor]  # their host copies (pinned on CUDA): tokens, then the logprobs' three
     copied: torch.cuda.Event | None  # after the copies; None on the CPU (done when they return)
     chained: bool = False  # launched ahead of another step in flight (not the first of a run)
+    # The drafter ran prompt work when the step was launched (a draft model fed a prompt chunk):
+    # queued before the step's sampling, so the step's landing waits for it too.
+    drafter_prefilled: bool = False
 
     @classmethod
-    def launch(cls, sched: SchedulerOutput, tokens: torch.Tensor,
-               logprobs: tuple[torch.Tensor, ...] | None = None, chained: bool = False) -> InFlightStep:
+    def launch(cls, sched: SchedulerOutput, tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None = None,
+               chained: bool = False, drafter_prefilled: bool = False) -> InFlightStep:
         """Queue the copies of `tokens` and `logprobs` (`Sampler.logprobs_on_device`) to the host
         behind the step's work."""
         device = [tokens, *(logprobs or ())]
         if tokens.device.type != "cuda":
-            return cls(sched, tokens, device, None, chained)
+            return cls(sched, tokens, device, None, chained, drafter_prefilled)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device]
         for h, t in zip(host, device):
             h.copy_(t, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(sched, tokens, host, copied, chained)
+        return cls(sched, tokens, host, copied, chained, drafter_prefilled)
 
     @cached_property
     def sampling_rows(self) -> dict[str, int]:

@@ -447,18 +447,28 @@ class SpecDecoder:
         (it tells a draft model's catch-up from a plain step)."""
         return self._drafter_prefilled
 
-    def observe_step(self, sched: SchedulerOutput, seconds: float, drafted: Sequence[int] | None = None
-                     ) -> StepPrediction | None:
-        """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies
-        refines the cost model and returns its prediction. One with the target's prompt work
-        returns None: its cost is not the model's (and every engine pays it). One in which the
-        drafter ran prompt work of its own (a draft model catching up on a request's prompt or
-        on the tokens it skipped while K was 0) is what resuming costs
-        (`AutoK.observe_catch_up`), and it is learned from too: catch-ups are part of what
-        drafting costs a draft model. Left out, at 16 requests (a new prompt every few steps,
-        requests going in and out of K = 0) most of the drafter's work fell outside the steps
-        the cost was learned from, and auto drafted where none was faster."""
+    def take_drafter_prefilled(self) -> bool:
+        """Whether the drafter ran prompt work since the last `observe_step` or call of this one
+        (the flag is cleared): for a step launched ahead, whose landing waits for that work."""
         prefilled, self._drafter_prefilled = self._drafter_prefilled, False
+        return prefilled
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float, drafted: Sequence[int] | None = None,
+                     prefilled: bool | None = None) -> StepPrediction | None:
+        """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies
+        refines the cost model and returns its prediction; one with the target's prompt work
+        returns None (every engine pays for it).
+
+        `prefilled`: whether the step's time holds the drafter's own prompt work (a draft model
+        catching up on a prompt, or on tokens it skipped while K was 0); a step that went ahead
+        carries it from its launch; None: whether the drafter ran any since the last call. Such a
+        step is what resuming costs (`AutoK.observe_catch_up`). When it drafted, it also refines
+        the drafting cost: catch-ups are part of what drafting costs a draft model (left out, at
+        16 requests, with a new prompt every few steps, most of the drafter's work fell outside
+        the steps the cost was learned from, and auto drafted where none was faster). When it
+        did not, its time is no plain step's cost (learned as one, it made K = 0 look dear)."""
+        if prefilled is None:
+            prefilled = self.take_drafter_prefilled()
         if self.auto is None or not sched.scheduled:
             return None
         if any(s.num_tokens != 1 + len(s.draft) or not s.samples for s in sched.scheduled):
@@ -468,6 +478,8 @@ class SpecDecoder:
             drafted = self._drafted_for([s.request.request_id for s in sched.scheduled])
         if prefilled:
             self.auto.observe_catch_up(ks, drafted, seconds)
+            if not any(ks):
+                return None
         return self.auto.observe_step(ks, drafted, seconds)
 
     def _log_k_change(self, request_id: str, old: int, new: int, phase: Phase) -> None:
