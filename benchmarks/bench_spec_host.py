@@ -13,10 +13,13 @@ Three paths, each the calls the engine makes on it:
          table so that drafting does not pay): `plan_ahead`, the K counts, `observe`,
          `observe_step`; a probe out of K = 0 runs the sync path. Its baseline is `phase` with
          every phase_k 0, which drafts nothing either.
+`--turnover P`: each step, with probability P, one request finishes and a new one takes its place
+(the live workload's 83-token requests at 8-16 requests change the batch every few steps).
 The cost table is the demo pair's, measured on the H100 box at Kmax 7 (BENCHMARKS.md, session 13):
 a verify token costs ~1% of a 0.31 ms step at batch 1, ~5% at 16, and the drafter 0.11-0.32 ms.
 
     python benchmarks/bench_spec_host.py --batches 1,4,16 --steps 3000 --path ahead
+    python benchmarks/bench_spec_host.py --batches 8,16 --path ahead --turnover 0.3
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ class FreeProposer:
 class Run:
     """One policy's stage on `batch` endless greedy requests."""
 
-    def __init__(self, adaptive: str, batch: int, tokenizer: Tokenizer, accept: float, draft_scale: float) -> None:
+    def __init__(self, adaptive: str, batch: int, tokenizer: Tokenizer, accept: float, draft_scale: float,
+                 turnover: float = 0.0) -> None:
         raw = {"method": "dspark", "num_speculative_tokens": KMAX, "adaptive": adaptive}
         if adaptive == "phase0":  # every phase at K = 0: the plain path's baseline (no request ever drafts)
             raw.update(adaptive="phase", phase_k={"reasoning": 0, "content": 0, "tool_call": 0})
@@ -99,15 +103,20 @@ class Run:
         self.spec = SpecDecoder(config, tokenizer, 10**7, FreeProposer())
         if adaptive == "auto":
             self.spec.auto = AutoK(KMAX, config.draft_depths(), step_cost(draft_scale))
-        self.requests = []
-        for i in range(batch):
-            req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=None, temperature=0.0))
-            req.max_tokens = 10**7  # what the engine resolves max_tokens=None to (the context length)
-            req.num_computed_tokens = 2
-            self.requests.append(req)
+        self.requests = [self.new_request(i) for i in range(batch)]
+        self.served = batch
         self.rng = random.Random(0)
         self.accept = accept
+        self.turnover = turnover
+        self.change = False  # a step ahead landed alone: the batch changes now
         self.pending: tuple[list[int], list[object | None]] | None = None  # the step ahead in flight
+
+    @staticmethod
+    def new_request(i: int) -> Request:
+        req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=None, temperature=0.0))
+        req.max_tokens = 10**7  # what the engine resolves max_tokens=None to (the context length)
+        req.num_computed_tokens = 2
+        return req
 
     def accepted(self, k: int) -> int:
         n = 0
@@ -125,6 +134,14 @@ class Run:
         for req in self.requests:
             req.output_token_ids.extend([7] * (1 + kept[req.request_id]))
             req.num_computed_tokens = req.num_tokens - 1
+        change, self.change = self.change, False
+        if change or (self.turnover and self.pending is None and self.rng.random() < self.turnover):
+            # One request finishes (once no step ahead is in flight for it) and a new one, past
+            # its prompt, takes its place, where the engine's batch keeps it: at the end.
+            gone = self.requests.pop(self.rng.randrange(len(self.requests)))
+            self.spec.remove(gone.request_id)
+            self.requests.append(self.new_request(self.served))
+            self.served += 1
 
     def sync_step(self) -> dict[str, int]:
         spec = self.spec
@@ -137,6 +154,9 @@ class Run:
         return kept
 
     def ahead_step(self) -> dict[str, int]:
+        if self.turnover and self.pending is not None and self.rng.random() < self.turnover:
+            self.change = True
+            return self.land()  # the step in flight lands alone, and the batch changes
         spec, reqs = self.spec, self.requests
         in_flight = self.pending[0] if self.pending is not None else [0] * len(reqs)
         ks = spec.choose_ahead(reqs, in_flight)
@@ -156,6 +176,19 @@ class Run:
         self.pending = (ks, pendings)
         return kept
 
+    def land(self) -> dict[str, int]:
+        """The step ahead in flight lands with nothing launched after it."""
+        assert self.pending is not None
+        spec, reqs = self.spec, self.requests
+        (prev_ks, prev_pendings), self.pending = self.pending, None
+        kept = {}
+        for req, k, p in zip(reqs, prev_ks, prev_pendings):
+            kept[req.request_id] = n = self.accepted(k)
+            spec.observe_ahead(req, req.num_computed_tokens, k, n, p)
+        sched = SchedulerOutput([ScheduledRequest.of(r, 1 + k, (5,) * k) for r, k in zip(reqs, prev_ks)])
+        spec.observe_step(sched, self.seconds(prev_ks), prev_ks)
+        return kept
+
     def plain_step(self) -> dict[str, int]:
         spec = self.spec
         if not spec.plan_ahead(self.requests):
@@ -170,9 +203,9 @@ class Run:
 
 
 def microseconds_per_step(path: str, adaptive: str, batch: int, steps: int, tokenizer: Tokenizer,
-                          accept: float) -> tuple[float, float]:
+                          accept: float, turnover: float = 0.0) -> tuple[float, float]:
     """(µs per step, mean K chosen) over `steps` steps after as many to warm up."""
-    run = Run(adaptive, batch, tokenizer, accept, draft_scale=8.0 if path == "plain" else 1.0)
+    run = Run(adaptive, batch, tokenizer, accept, draft_scale=8.0 if path == "plain" else 1.0, turnover=turnover)
     step = {"sync": run.sync_step, "ahead": run.ahead_step, "plain": run.plain_step}[path]
     total, ks = 0.0, 0
     for i in range(2 * steps):
@@ -192,6 +225,8 @@ def main() -> None:
     ap.add_argument("--path", default="sync,ahead,plain", help="comma list of sync, ahead, plain")
     ap.add_argument("--accept", type=float, default=0.8, help="per-position acceptance of a draft token")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; the minimum is reported")
+    ap.add_argument("--turnover", type=float, default=0.0,
+                    help="per step, the chance that one request finishes and a new one takes its place")
     args = ap.parse_args()
     tokenizer = Tokenizer.from_dir(str(demo_model_dir()))
     print("off: adaptive off (Kmax every step); on the plain path, phase with every phase_k 0 (nothing drafts)")
@@ -203,7 +238,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for adaptive in times:
                     times[adaptive].append(microseconds_per_step(path, adaptive, batch, args.steps, tokenizer,
-                                                                 args.accept))
+                                                                 args.accept, args.turnover))
             off, auto = min(times[base]), min(times["auto"])
             print(f"{path:>6} {batch:>5} {off[0]:12.1f} {auto[0]:13.1f} {auto[0] - off[0]:11.1f} {auto[1]:12.2f}")
 
