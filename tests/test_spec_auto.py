@@ -30,6 +30,21 @@ def verify(rng: random.Random, truth: list[float], k: int) -> int:
     return n
 
 
+def counted_searches(monkeypatch) -> list[int]:
+    """auto's searches from now on (`choose_ks` calls), one entry each."""
+    from tandem.spec import auto as auto_module
+
+    searches: list[int] = []
+    real = auto_module.choose_ks
+    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
+    return searches
+
+
+# A padded cost where a verify token costs 1% of the step and the drafter a tenth: deep drafts pay.
+CHEAP_VERIFY = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
+                         draft={(b, d): 0.1 for b in (1, 2, 4, 8, 16) for d in range(1, 5)})
+
+
 def run(auto: AutoK, truth: dict[str, list[float]], phase_of, steps: int, seed: int = 0) -> list[list[int]]:
     """Drive the controller like the engine does: choose, verify (synthetic), observe."""
     rng, history = random.Random(seed), []
@@ -293,12 +308,8 @@ def test_a_padded_batch_is_searched_once_per_refresh_though_its_requests_context
     # new request or a phase switch searches at once.
     from tandem.spec import auto as auto_module
 
-    searches = []
-    real = auto_module.choose_ks
-    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
-    cost = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
-                     draft={(b, d): 0.1 for b in (1, 2, 4, 8, 16) for d in range(1, 5)})
-    auto, rng = AutoK(4, (1, 2, 3, 4), cost), random.Random(0)
+    searches = counted_searches(monkeypatch)
+    auto, rng = AutoK(4, (1, 2, 3, 4), CHEAP_VERIFY), random.Random(0)
     ids = [f"r{i}" for i in range(8)]
     for _ in range(200):  # past the probes of thin evidence
         for rid, k in zip(ids, auto.choose(ids, ["reasoning"] * 8, [99] * 8)):
@@ -324,12 +335,8 @@ def test_a_padded_batch_whose_requests_change_in_the_same_phases_takes_its_depth
     # of another size, a request whose room is below the depth, or once REFRESH_STEPS passed.
     from tandem.spec import auto as auto_module
 
-    searches = []
-    real = auto_module.choose_ks
-    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
-    cost = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
-                     draft={(b, d): 0.1 for b in (1, 2, 4, 8, 16) for d in range(1, 5)})
-    auto, rng = AutoK(4, (1, 2, 3, 4), cost), random.Random(0)
+    searches = counted_searches(monkeypatch)
+    auto, rng = AutoK(4, (1, 2, 3, 4), CHEAP_VERIFY), random.Random(0)
     ids, phases = [f"r{i}" for i in range(8)], ["reasoning"] * 6 + ["content"] * 2
     for _ in range(100):  # past the probes of thin evidence
         for rid, k in zip(ids, auto.choose(ids, phases, [99] * 8)):
@@ -359,9 +366,7 @@ def test_a_choice_searches_keep_finding_stands_longer_and_a_phase_switch_searche
     # (up to HOLD_MAX steps), so a steady request is searched a few times in 160 steps, not 40.
     from tandem.spec import auto as auto_module
 
-    searches = []
-    real = auto_module.choose_ks
-    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
+    searches = counted_searches(monkeypatch)
     auto, rng = AutoK(4, (1, 2, 3, 4), GPU1), random.Random(0)
     for _ in range(200):
         k = auto.choose(["a"], ["reasoning"], [99])[0]
@@ -408,11 +413,9 @@ def test_the_same_choice_again_keeps_the_recorded_k_counts():
 
 def test_requests_that_reuse_ids_of_a_finished_batch_are_searched_afresh(monkeypatch):
     # A client may reuse request ids (bench_auto's rounds do). Once the requests of a padded
-    # batch's cached choice are removed, new requests with the same ids and phases are neither
-    # held to it nor given it: they are searched (live on the H200, the old choice given to them
-    # raised KeyError: 'reasoning+run' when it was held).
-    from tandem.spec import auto as auto_module
-
+    # batch's cached choice are removed, new requests with the same ids and phases are not held
+    # to it (live on the H200, the old choice held for them raised KeyError: 'reasoning+run'),
+    # nor, its search being older than REFRESH_STEPS, given it: they are searched.
     cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0, 4: 30.0, 5: 40.0} for b in (1, 2, 4, 8, 16)})
     auto = AutoK(4, (1, 2, 3, 4), cost)
     ids, phases = [f"r{i}" for i in range(8)], ["reasoning"] * 8
@@ -428,9 +431,7 @@ def test_requests_that_reuse_ids_of_a_finished_batch_are_searched_afresh(monkeyp
     for rid in ids:
         auto.remove(rid)
     assert auto.repeat(ids) is None
-    searched = []
-    real = auto_module.choose_ks
-    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searched.append(1) or real(*a, **k))
+    searched = counted_searches(monkeypatch)
     assert auto.choose(ids, phases, [99] * 8) == [0] * 8
     assert searched
 
@@ -442,9 +443,7 @@ def test_an_all_zero_choice_found_again_is_held_longer_also_for_a_changed_batch(
     # every few steps at 16: restarting at REFRESH_STEPS on each was most of auto's host time).
     from tandem.spec import auto as auto_module
 
-    searches = []
-    real = auto_module.choose_ks
-    monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: searches.append(1) or real(*a, **k))
+    searches = counted_searches(monkeypatch)
     cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0, 4: 30.0, 5: 40.0} for b in (1, 2, 4, 8, 16)})
     auto = AutoK(4, (1, 2, 3, 4), cost)
 
