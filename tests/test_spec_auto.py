@@ -578,8 +578,8 @@ def test_a_draft_models_feed_after_a_verify_is_a_drafting_step_auto_learns_from(
 def test_a_draft_models_catch_up_is_learned_as_part_of_what_drafting_costs(demo_prompts, monkeypatch):
     # A step in which the draft model caught up on a prompt it skipped (K was 0) sets what leaving
     # K = 0 costs (`observe_catch_up`) and refines the drafting steps' cost too: catch-ups are
-    # part of what drafting costs a draft model (left out, auto drafted at 16 requests where no
-    # speculation was faster: most of the drafter's work fell outside the steps it learned from).
+    # part of what drafting costs a draft model (at 16 requests, with requests going in and out of
+    # K = 0 and a new one every few steps, they are many).
     import tandem.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "HELD_STEPS_TIMED", 1)

@@ -463,10 +463,10 @@ class SpecDecoder:
         catching up on a prompt, or on tokens it skipped while K was 0); a step that went ahead
         carries it from its launch; None: whether the drafter ran any since the last call. Such a
         step is what resuming costs (`AutoK.observe_catch_up`). When it drafted, it also refines
-        the drafting cost: catch-ups are part of what drafting costs a draft model (left out, at
-        16 requests, with a new prompt every few steps, most of the drafter's work fell outside
-        the steps the cost was learned from, and auto drafted where none was faster). When it
-        did not, its time is no plain step's cost (learned as one, it made K = 0 look dear)."""
+        the drafting cost: catch-ups are part of what drafting costs a draft model, and at 16
+        requests (a new request every few steps, requests going in and out of K = 0) they are
+        many. When it did not, its time is no plain step's cost (learned as one, it made K = 0
+        look dear)."""
         if prefilled is None:
             prefilled = self.take_drafter_prefilled()
         if self.auto is None or not sched.scheduled:
