@@ -359,6 +359,22 @@ def test_a_padded_batch_whose_requests_change_in_the_same_phases_takes_its_depth
     assert len(searches) == 3
 
 
+def test_the_phase_rates_a_request_without_its_own_choice_is_predicted_on_are_kept_refresh_steps():
+    # A request that takes its batch's depth without a search of its own is predicted on its
+    # phase's rates (`AutoK._prior`), worked out once per REFRESH_STEPS steps: they move by a few
+    # percent meanwhile, and at 8-16 requests a new request comes every few steps.
+    from tandem.spec import auto as auto_module
+
+    auto = AutoK(4, (1, 2, 3, 4), CHEAP_VERIFY)
+    first = auto._prior("reasoning")
+    assert first == auto.stats.phase_rates("reasoning")
+    auto.stats.observe("r0", "reasoning", 4, 0)  # the phase's estimate moves
+    auto._step += auto_module.REFRESH_STEPS - 1
+    assert auto._prior("reasoning") is first
+    auto._step += 1
+    assert auto._prior("reasoning") == auto.stats.phase_rates("reasoning") != first
+
+
 def test_a_choice_searches_keep_finding_stands_longer_and_a_phase_switch_searches_at_once(monkeypatch):
     # One request whose drafts are accepted whole about half the time: its two contexts (after a
     # whole accept, after a rejection) each keep a choice, searched every REFRESH_STEPS steps at

@@ -140,6 +140,7 @@ class AutoK:
         self._pending: dict[str, _Pending] = {}
         self._step = 0
         self._can_cut: dict[tuple[int, int, int], tuple[int, bool]] = {}  # see cut_can_pay
+        self._priors: dict[str, tuple[int, list[float]]] = {}  # see _prior
         self._drafts_now: dict[tuple[str, int], tuple[int, bool]] = {}  # see drafts_now
         # id -> key -> (K, rates, step, steps it stands) of the last search that saw the request
         # in that context
@@ -206,11 +207,8 @@ class AutoK:
             # searched rates in its context (the phase's while it has none).
             ks, rates = batch, []
             searched = [self._batch[4]] * len(ids)  # a request's context may not have been searched
-            priors: dict[str, list[float]] = {}
             for c, key in zip(cached, keys):
-                if c is None and key not in priors:
-                    priors[key] = self.stats.phase_rates(key)
-                rates.append(priors[key] if c is None else c[1])
+                rates.append(self._prior(key) if c is None else c[1])
         else:
             priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
             rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]
@@ -268,6 +266,16 @@ class AutoK:
                 self._zero_refresh = min(2 * self._zero_refresh, ZERO_HOLD_MAX)
             self._set_hold("zero", hold, ids, phases, keys, ks)
         return ks
+
+    def _prior(self, key: str) -> list[float]:
+        """The phase's rates (`AcceptanceStats.phase_rates`) for a request that takes a batch's
+        choice without its own: what its draft is predicted on. Kept REFRESH_STEPS steps, as a
+        choice is (they move by a few percent meanwhile): at 8-16 requests, with a new request
+        every few steps, working them out for each one each step was a tenth of `choose`."""
+        hit = self._priors.get(key)
+        if hit is None or self._step - hit[0] >= REFRESH_STEPS:
+            hit = self._priors[key] = (self._step, self.stats.phase_rates(key))
+        return hit[1]
 
     def _set_hold(self, kind: str, hold: int, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str],
                   ks: Sequence[int]) -> None:
