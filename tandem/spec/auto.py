@@ -165,9 +165,9 @@ class AutoK:
         # change searches at once, and what an all-zero finding rests on (the phases' estimates and
         # the step costs) does not move at K = 0, except by probes, which end a hold when due.
         self._zero_refresh = REFRESH_STEPS
-        # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step,
-        # the phases sorted); ids None once one of its requests was removed (`_batch_choice`).
-        self._batch: tuple[tuple[str, ...] | None, tuple[str, ...], int, list[int], int, list[str]] | None = None
+        # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step);
+        # ids None once one of its requests was removed (`_batch_choice`).
+        self._batch: tuple[tuple[str, ...] | None, tuple[str, ...], int, list[int], int] | None = None
         # Steps it stands: REFRESH_STEPS, doubled (up to HOLD_MAX) each time a search of the
         # same batch finds the same ks again (`_search_batch`).
         self._batch_refresh = REFRESH_STEPS
@@ -301,7 +301,7 @@ class AutoK:
         a search every REFRESH_STEPS steps was a fifth of what auto cost the host per step at 4
         requests (a third at 1: two contexts, each searched). A new request, a phase switch or a
         new depth searches at once, and the refresh starts again."""
-        batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step, sorted(phases))
+        batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step)
         old = self._batch
         same = (old is not None and old[:4] == batch[:4]
                 and all(self.stats.phase_tries(key, 1) >= MIN_EVIDENCE for key in set(keys)))
@@ -333,7 +333,7 @@ class AutoK:
             return list(batch[3])
         ks = batch[3]
         if (age >= REFRESH_STEPS or len(ids) != len(ks) or len(ids) <= MIX_MAX_BATCH or ks.count(ks[0]) != len(ks)
-                or any(ks[0] > limit for limit in limits) or sorted(phases) != batch[5]):
+                or any(ks[0] > limit for limit in limits) or sorted(phases) != sorted(batch[1])):
             return None
         return [ks[0]] * len(ids)
 
