@@ -11,7 +11,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.config import SpecConfig
-from tandem.spec.auto import PROBE_EVERY, AutoK
+from tandem.spec.auto import MIN_EVIDENCE, PROBE_EVERY, RUN, AutoK
 from tandem.spec.goodput import choose_ks, expected_accepted, hand_cost
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -537,6 +537,18 @@ def test_leaving_k0_must_pay_for_the_catch_up(monkeypatch):
     monkeypatch.setattr(auto_module, "choose_ks", lambda *a, **k: passed.append(a[5]) or choose_ks(*a, **k))
     auto.choose(["new"], ["content"], [9])
     assert passed == [pytest.approx(0.27, rel=0.01)]
+    # A new request's prompt is fed to the drafter only where a search out of K = 0 would draft
+    # for it: with the catch-up to pay, not in the weak phase (fed every prompt for nothing
+    # before), still in the strong one; with no catch-up learned, in both.
+    monkeypatch.setattr(auto_module, "choose_ks", choose_ks)
+    rates = {"weak" + RUN: weak[0], "strong" + RUN: strong[0]}
+    monkeypatch.setattr(auto.stats, "phase_tries", lambda key, position: MIN_EVIDENCE)
+    monkeypatch.setattr(auto.stats, "phase_rates", rates.__getitem__)
+    assert auto.drafts_now("strong", 1) and not auto.drafts_now("weak", 1)
+    fresh = AutoK(4, (1, 2, 3, 4), cost)
+    monkeypatch.setattr(fresh.stats, "phase_tries", lambda key, position: MIN_EVIDENCE)
+    monkeypatch.setattr(fresh.stats, "phase_rates", rates.__getitem__)
+    assert fresh.drafts_now("strong", 1) and fresh.drafts_now("weak", 1)
 
 
 def test_a_draft_model_skips_prompts_auto_would_not_draft_for_and_catches_up_when_it_does(demo_prompts):

@@ -484,15 +484,22 @@ class AutoK:
     def drafts_now(self, phase: str, batch: int) -> bool:
         """Whether a request starting in `phase` would draft in a batch of this size, from the
         phase's statistics (a phase with too little evidence yet counts as drafting: it would
-        be probed). For a drafter that can skip work for requests kept at K = 0."""
+        be probed). For a drafter that can skip work for requests kept at K = 0.
+
+        Asked as a search out of all-zero asks it, with the gain that leaving K = 0 must make
+        (`_hysteresis`: with a draft model, its catch-up too). Asked without it, a phase whose
+        drafts pay on the tables by less than that was fed every prompt while the searches kept
+        the batch at K = 0 (the draft model's prompt work for nothing, every new request). A
+        request skipped here that does draft later catches up on its first draft, as after a
+        hold at K = 0."""
         key = phase + RUN
         if self.stats.phase_tries(key, 1) < MIN_EVIDENCE:
             return True
         memo = (key, batch)
         hit = self._drafts_now.get(memo)
         if hit is None or self._step - hit[0] >= REFRESH_STEPS:
-            rates = self.stats.phase_rates(key)
-            ks = choose_ks([rates] * max(batch, 1), self.depths, self.cost, hysteresis=0.0)
+            rates, zeros = self.stats.phase_rates(key), [0] * max(batch, 1)
+            ks = choose_ks([rates] * len(zeros), self.depths, self.cost, zeros, hysteresis=self._hysteresis(zeros))
             hit = self._drafts_now[memo] = (self._step, any(ks))
         return hit[1]
 
