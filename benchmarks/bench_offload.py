@@ -10,7 +10,12 @@ placement `tandem serve` would choose for a GPU budget (default 8 GiB), then per
   * the prediction  t_gpu_side + n_offloaded_layers x t_kernel  and how far the real step is off
     (the copies, host-node latency and waits that overlap does not hide),
   * the RAM roofline: routed-expert bytes a step reads (distinct experts x bytes per expert x
-    offloaded layers) / measured read bandwidth, and the share of it the step reaches.
+    offloaded layers) / measured read bandwidth, and the share of it the step reaches. The
+    bandwidth is probed right before and right after each timed decode (`cpu_experts.ReadProbe`,
+    the kernel's pool, with the experts in RAM) and the share is against the better of the two:
+    on the device machine the read rate swings within a run (89-115 GB/s in one session), and the
+    one probe at the start (`tandem plan --measure`'s, kept as `roofline_share_vs_start`) can
+    flatter a step or wrong it.
 
     python benchmarks/bench_offload.py --out offload.json                   # Qwen3-30B-A3B, 8 GiB GPU
     python benchmarks/bench_offload.py --shape tiny --device cpu --batches 1,2   # CPU smoke run
@@ -200,6 +205,7 @@ def main() -> None:
         results.update(fmt=placement.cpu_format, act_dtype=args.act_dtype, cpu_layers=list(placement.cpu_layers), kernel_isa=cpu_experts.kernel_isa(),
                        threads=cpu_experts.num_threads(), bytes_per_expert=per_expert, placement=placement.reason)
         bells = {h: Doorbell() if h == "poll" else None for h in handoffs}
+        probe = cpu_experts.ReadProbe(1 << 30, args.threads)
         zero_rows = torch.zeros(1, dtype=torch.int32, device=device)
 
         def use(handoff: str, steal: bool, rows: torch.Tensor | None = None) -> None:
@@ -218,19 +224,25 @@ def main() -> None:
             for row in rows:
                 b = row["batch"]
                 run_decode(engine, b, args.prompt, 8, seed=100 + b)  # warm-up
+                before = probe.measure()
                 r = run_decode(engine, b, args.prompt, args.new_tokens, seed=200 + b)
+                probes = [before, probe.measure()]
                 if n == 0:
                     row.update(kernel_ms(sink, b, cfg["num_experts_per_tok"], dtype))
                 step_ms = 1e3 * b / r["decode_tok_s"]
                 cpu_bytes = row["distinct_experts"] * per_expert * len(sink.layers)
-                got = {**r, "step_ms": step_ms, "roofline_share": 1e3 * cpu_bytes / ram / step_ms}
+                got = {**r, "step_ms": step_ms, "ram_probes_gbps": [round(x / GB, 1) for x in probes],
+                       "roofline_share": 1e3 * cpu_bytes / max(probes) / step_ms,
+                       "roofline_share_vs_start": 1e3 * cpu_bytes / ram / step_ms}
                 runs.setdefault((b, label), []).append(got)
                 if n == 0:
                     row.update(expert_bytes_per_step=cpu_bytes, roofline_ms=1e3 * cpu_bytes / ram,
                                kernel_gbps=row["distinct_experts"] * per_expert / row["kernel_ms"] / 1e6)
                 print(f"batch {b} ({label}): {r['decode_tok_s']:.2f} tok/s ({step_ms:.1f} ms a step, "
                       f"{r['graph_steps']} graph steps), kernel {row['kernel_ms']:.2f} ms a layer "
-                      f"({row['kernel_gbps']:.1f} GB/s), RAM roofline share {got['roofline_share']:.0%}", flush=True)
+                      f"({row['kernel_gbps']:.1f} GB/s), RAM roofline share {got['roofline_share']:.0%} of the better of "
+                      f"{probes[0] / GB:.1f} / {probes[1] / GB:.1f} GB/s probed around it "
+                      f"({got['roofline_share_vs_start']:.0%} of the start's {ram / GB:.1f})", flush=True)
             del engine
             gc.collect()
             if device == "cuda":  # the copies and hand-offs with nothing computed: the offload's own cost
