@@ -15,6 +15,9 @@ Three paths, each the calls the engine makes on it:
          every phase_k 0, which drafts nothing either.
 `--turnover P`: each step, with probability P, one request finishes and a new one takes its place
 (the live workload's 83-token requests at 8-16 requests change the batch every few steps).
+`--phase-mix`: every other request starts in reasoning (its prompt ends with `<think>`), the
+others in content, so that a change of requests also changes the batch's mix of phases, as on
+the live workload (without it every request is in content).
 The cost table is the demo pair's, measured on the H100 box at Kmax 7 (BENCHMARKS.md, session 13):
 a verify token costs ~1% of a 0.31 ms step at batch 1, ~5% at 16, and the drafter 0.11-0.32 ms.
 
@@ -95,7 +98,7 @@ class Run:
     """One policy's stage on `batch` endless greedy requests."""
 
     def __init__(self, adaptive: str, batch: int, tokenizer: Tokenizer, accept: float, draft_scale: float,
-                 turnover: float = 0.0) -> None:
+                 turnover: float = 0.0, phase_mix: bool = False) -> None:
         raw = {"method": "dspark", "num_speculative_tokens": KMAX, "adaptive": adaptive}
         if adaptive == "phase0":  # every phase at K = 0: the plain path's baseline (no request ever drafts)
             raw.update(adaptive="phase", phase_k={"reasoning": 0, "content": 0, "tool_call": 0})
@@ -103,6 +106,8 @@ class Run:
         self.spec = SpecDecoder(config, tokenizer, 10**7, FreeProposer())
         if adaptive == "auto":
             self.spec.auto = AutoK(KMAX, config.draft_depths(), step_cost(draft_scale))
+        # every other request's prompt ends with <think> (reasoning) under --phase-mix
+        self.think = tokenizer.fast.token_to_id("<think>") if phase_mix else None
         self.requests = [self.new_request(i) for i in range(batch)]
         self.served = batch
         self.rng = random.Random(0)
@@ -111,9 +116,9 @@ class Run:
         self.change = False  # a step ahead landed alone: the batch changes now
         self.pending: tuple[list[int], list[object | None]] | None = None  # the step ahead in flight
 
-    @staticmethod
-    def new_request(i: int) -> Request:
-        req = Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=None, temperature=0.0))
+    def new_request(self, i: int) -> Request:
+        prompt = [1, 2, 3] if self.think is None or i % 2 else [1, 2, self.think]
+        req = Request(f"r{i}", prompt, SamplingParams(max_tokens=None, temperature=0.0))
         req.max_tokens = 10**7  # what the engine resolves max_tokens=None to (the context length)
         req.num_computed_tokens = 2
         return req
@@ -203,9 +208,10 @@ class Run:
 
 
 def microseconds_per_step(path: str, adaptive: str, batch: int, steps: int, tokenizer: Tokenizer,
-                          accept: float, turnover: float = 0.0) -> tuple[float, float]:
+                          accept: float, turnover: float = 0.0, phase_mix: bool = False) -> tuple[float, float]:
     """(µs per step, mean K chosen) over `steps` steps after as many to warm up."""
-    run = Run(adaptive, batch, tokenizer, accept, draft_scale=8.0 if path == "plain" else 1.0, turnover=turnover)
+    run = Run(adaptive, batch, tokenizer, accept, draft_scale=8.0 if path == "plain" else 1.0, turnover=turnover,
+              phase_mix=phase_mix)
     step = {"sync": run.sync_step, "ahead": run.ahead_step, "plain": run.plain_step}[path]
     total, ks = 0.0, 0
     for i in range(2 * steps):
@@ -227,6 +233,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; the minimum is reported")
     ap.add_argument("--turnover", type=float, default=0.0,
                     help="per step, the chance that one request finishes and a new one takes its place")
+    ap.add_argument("--phase-mix", action="store_true", help="every other request starts in reasoning")
     args = ap.parse_args()
     tokenizer = Tokenizer.from_dir(str(demo_model_dir()))
     print("off: adaptive off (Kmax every step); on the plain path, phase with every phase_k 0 (nothing drafts)")
@@ -238,7 +245,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for adaptive in times:
                     times[adaptive].append(microseconds_per_step(path, adaptive, batch, args.steps, tokenizer,
-                                                                 args.accept, args.turnover))
+                                                                 args.accept, args.turnover, args.phase_mix))
             off, auto = min(times[base]), min(times["auto"])
             print(f"{path:>6} {batch:>5} {off[0]:12.1f} {auto[0]:13.1f} {auto[0] - off[0]:11.1f} {auto[1]:12.2f}")
 

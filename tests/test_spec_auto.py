@@ -492,6 +492,50 @@ def test_an_all_zero_choice_found_again_is_held_longer_also_for_a_changed_batch(
     assert len(searches) == 1 and auto.choose(ids, ["reasoning"] * 8, [99] * 8) == [0] * 8
 
 
+def test_a_batch_held_at_k0_keeps_its_hold_as_requests_come_and_go(monkeypatch):
+    # At K = 0 a request that finishes leaves the others' hold standing, and one that comes in a
+    # phase that would not draft joins it, with no search (at 8 requests on the H100 box each
+    # change searched, ~0.2 ms of host time: 4-5% of a run at K = 0). One in a phase without
+    # evidence, or that would draft, does not join: the caller chooses for the batch.
+    from tandem.spec import auto as auto_module
+
+    searches = counted_searches(monkeypatch)
+    cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0, 4: 30.0, 5: 40.0} for b in (1, 2, 4, 8, 16)})
+    auto = AutoK(4, (1, 2, 3, 4), cost)
+    ids = [f"r{i}" for i in range(8)]
+    for _ in range(300):  # past the probes of thin evidence (every probe rejected)
+        if auto.repeat(ids) is None:
+            for rid, k in zip(ids, auto.choose(ids, ["reasoning"] * 8, [99] * 8)):
+                if k:
+                    auto.observe(rid, k, 0)
+        if auto.zero_held() == ids and auto._hold > 8:
+            break
+    assert auto.zero_held() == ids
+    searches.clear()
+    auto.remove("r3")
+    rest = [rid for rid in ids if rid != "r3"]
+    assert auto.zero_held() == rest and auto.repeat(rest) == [0] * 7
+    assert auto.join_zero_hold([*rest, "n1"], ["n1"], ["reasoning"])
+    assert len(searches) <= 1  # whether a reasoning request would draft among 8: asked once
+    assert auto.zero_held() == [*rest, "n1"] and auto.repeat([*rest, "n1"]) == [0] * 8
+    auto.remove("r5")
+    batch = [rid for rid in rest if rid != "r5"] + ["n1", "n2"]
+    assert auto.join_zero_hold(batch, ["n2"], ["reasoning"]) and auto.repeat(batch) == [0] * 8
+    assert len(searches) <= 1
+    # No evidence for tool calls: not joined, nothing changed.
+    before = auto.zero_held()
+    assert not auto.join_zero_hold([*batch, "n3"], ["n3"], ["tool_call"]) and auto.zero_held() == before
+    # A phase that would draft: not joined.
+    monkeypatch.setattr(auto, "drafts_now", lambda phase, n: True)
+    assert not auto.join_zero_hold([*batch, "n4"], ["n4"], ["reasoning"]) and auto.zero_held() == before
+    # Held steps counted for the requests held: the next choice's same-K counts include them.
+    monkeypatch.setattr(auto, "drafts_now", auto_module.AutoK.drafts_now.__get__(auto))
+    same_before = auto._same_steps["r0"]["reasoning" + RUN]
+    auto.repeat(batch)
+    auto._apply_held()
+    assert auto._same_steps["r0"]["reasoning" + RUN] > same_before
+
+
 def test_a_costly_catch_up_spaces_the_probes_out_of_k0():
     # Nothing is ever accepted: K = 0, with probes. A draft model's probe out of K = 0 also pays
     # for catching up on the skipped tokens; once that is learned, probes come far less often.
@@ -577,6 +621,26 @@ def test_a_draft_model_skips_prompts_auto_would_not_draft_for_and_catches_up_whe
     out = llm.generate(ids[2:], GREEDY)
     assert [o.token_ids for o in out] == ref[2:]
     assert counter(llm.engine, "spec_decode_num_drafts") > before and drafter_prefills() > prefills
+
+
+def test_a_draft_model_held_at_k0_keeps_its_hold_as_requests_come_and_go(demo_prompts):
+    # Async scheduling, two requests at a time, drafting never pays: each request that comes in
+    # joins the all-zero hold of the one decoding (`SpecDecoder.choose_ahead`), tokens unchanged.
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO},
+              **{**COMMON, "async_scheduling": True, "max_num_seqs": 2})
+    auto = llm.engine.spec.auto
+    auto.cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0} for b in auto.cost.buckets})
+    for phase in ("reasoning", "content", "tool_call"):
+        for _ in range(20):
+            auto.stats.observe("seed", phase + "+run", 2, 0)
+            auto.stats.observe("seed", phase, 2, 0)
+    joined, join = [], auto.join_zero_hold
+    auto.join_zero_hold = lambda *a: joined.append(join(*a)) or joined[-1]
+    out = llm.generate(ids, GREEDY)
+    assert [o.token_ids for o in out] == ref
+    assert any(joined), joined
+    assert counter(llm.engine, "spec_decode_num_drafts") == 0
 
 
 def test_a_draft_models_feed_after_a_verify_is_a_drafting_step_auto_learns_from(demo_prompts, monkeypatch):

@@ -310,7 +310,7 @@ class SpecDecoder:
         counts them). Not recorded until `commit_ahead`. None: auto holds its last choice for
         these requests (`held_ks`, already recorded)."""
         ids = [r.request_id for r in requests]
-        if self.auto is not None and (held := self.auto.repeat(ids)) is not None:
+        if self.auto is not None and (held := self.auto.repeat(ids) or self._join_zero_hold(ids, requests)) is not None:
             if self._drafted == (ids, held):
                 return None  # the last choice again: _drafted and chosen_k stand (phases tracked after)
             return held  # recorded anew: the last record was a synchronous draft's, cut by confidence
@@ -318,6 +318,20 @@ class SpecDecoder:
         phases = [t.tracker.phase for t in tracked]
         rooms = [max(0, self.room(r) - 1 - k) for r, k in zip(requests, in_flight)]
         return self._choose(ids, requests, phases, rooms)
+
+    def _join_zero_hold(self, ids: list[str], requests: Sequence[Request]) -> list[int] | None:
+        """auto: all zero for a batch of the requests an all-zero hold stands for and new ones
+        whose phases would not draft either (`AutoK.join_zero_hold`); None: choose."""
+        assert self.auto is not None
+        holding = self.auto.zero_held()
+        if holding is None or len(ids) <= len(holding):
+            return None
+        members = set(holding)
+        new = [r for r in requests if r.request_id not in members]
+        phases = [self._track(r).tracker.phase for r in new]
+        if not self.auto.join_zero_hold(ids, [r.request_id for r in new], phases):
+            return None
+        return [0] * len(ids)
 
     def held_ks(self, requests: Sequence[Request]) -> list[int]:
         """The ks of the last recorded choice for these requests: what a held one repeats."""
