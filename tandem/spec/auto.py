@@ -368,8 +368,9 @@ class AutoK:
         `new` ones (in `phases`), when no new request's phase would leave K = 0 in a batch this
         size (`drafts_now`, evidence included). Then no batch of them would: a padded step's
         goodput at a depth is the mean over its requests of (1 + E(depth)), each below what
-        leaving zero needs (and a ragged cost is a request's own). True: one step of the hold
-        is taken, for `ids` (in order) from now on. False, changing nothing: the caller chooses.
+        leaving zero needs (under a ragged cost the search behind `drafts_now` also tried one
+        request drafting alone). True: one step of the hold is taken, for `ids` (in order)
+        from now on. False, changing nothing: the caller chooses.
 
         Without it every request that came or went ended the hold, and the search that followed
         (the batch's phases, their step costs, its probes) took ~0.2 ms of host time on the H100
