@@ -164,7 +164,7 @@ class IntervalClock:
                 break
             parts[label] += min(end, now) - max(start, since)
         ks = [len(s.draft) for s in sched.scheduled]
-        prompt = any(s.num_tokens != 1 + len(s.draft) or not s.samples for s in sched.scheduled)
+        prompt = sched.has_prompt_work
         self.intervals.append((len(ks), "prompt" if prompt else "drafting" if any(ks) else "plain", now - since, parts))
         del self.events[:-KEEP_EVENTS]
 

@@ -268,3 +268,38 @@ def test_a_step_ahead_carries_the_drafters_prompt_work_to_its_landing_and_is_not
     monkeypatch.setattr(spec, "observe", observe)
     llm.generate(ids[1:2], GREEDY)
     assert any(not drafting for _, drafting in spec.auto.cost.observed)
+
+
+def test_a_step_landing_while_a_prompt_step_launches_is_not_a_plain_steps_cost(demo_prompts, monkeypatch):
+    # A step ahead lands in the call that launches the next one, and its time (from the last
+    # landing) holds that launch: a new request's prompt chunk staged, run and fed to a draft
+    # model. That is no plain step's cost (learned as one, it made K = 0 look dear at 16
+    # requests on the H100 box). Here each prompt forward sleeps 0.8 s: no plain step auto
+    # learns from may hold one.
+    import time
+
+    import tandem.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "HELD_STEPS_TIMED", 1)
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 3, **AUTO},
+              **{**COMMON, "async_scheduling": True, "max_num_seqs": 2})
+    eng, auto = llm.engine, llm.engine.spec.auto
+    never_pays(auto)
+    execute, ahead_prompts = eng.runner.execute, []
+
+    def slow_prompts(batch, pending=None):  # noqa: ANN001, ANN202 - the runner's own
+        if any(s.num_tokens > 1 and not s.draft for s in batch):
+            ahead_prompts.append(pending is not None)
+            time.sleep(0.8)
+        return execute(batch, pending)
+
+    monkeypatch.setattr(eng.runner, "execute", slow_prompts)
+    plain = []
+    observe_step = auto.observe_step
+    monkeypatch.setattr(auto, "observe_step", lambda ks, drafted, seconds: (
+        plain.append(seconds) if not any(ks) else None, observe_step(ks, drafted, seconds))[-1])
+    out = llm.generate(ids[:4], GREEDY)
+    assert [o.token_ids for o in out] == ref[:4]
+    assert any(ahead_prompts), ahead_prompts  # a prompt chunk went ahead of a step in flight
+    assert len(plain) > 10 and max(plain) < 0.6, sorted(plain)[-3:]

@@ -74,7 +74,11 @@ class AheadSteps:
         if failed is not None:
             return self._land(prev) + failed
         launched = self._launch(nxt, forward, prev)
-        outputs = self._land(prev)
+        # `prev`'s time runs from the last landing to its own and so holds `nxt`'s launch: with a
+        # prompt chunk in it (the target's prefill staged, a draft model fed it) that time is no
+        # plain step's cost. Learned as one, it made K = 0 look dear: with a new request every
+        # few steps at 16, these were the steps auto timed first after each change.
+        outputs = self._land(prev, timed=not nxt.has_prompt_work)
         if not launched:  # after `prev`'s tokens: a request they stopped is skipped
             outputs += self._finish_step(nxt, forward, {}, started, observed=True)
         return outputs
@@ -149,15 +153,17 @@ class AheadSteps:
         decoding = [s.request for s in prev.sched.scheduled if s.samples and s.request.status == RequestStatus.RUNNING]
         return self.spec.plan_ahead(decoding, changes if len(decoding) == len(self.scheduler.running) else None)
 
-    def _land(self, step: InFlightStep) -> list[RequestOutput]:
+    def _land(self, step: InFlightStep, timed: bool = True) -> list[RequestOutput]:
         """The in-flight step's tokens: appended and checked (`_postprocess`; a request stopped or
         aborted meanwhile is skipped), then the blocks they complete are registered (written by
-        the step launched after, if any; the step's own were registered at launch)."""
+        the step launched after, if any; the step's own were registered at launch). `timed`
+        False: its time is not a step cost to learn from (the caller says why)."""
         outputs = self._postprocess(step.sched, step.results())
         self.scheduler.commit(step.sched)
         # Timed only when it went ahead of another step: in a run of steps ahead each adds what
         # one step costs with its host work overlapped. The first of a run also carries the
         # call that launched it, which overlapped nothing (and one landing after the engine ran
         # dry, the time it sat idle).
-        self._time_step(step.sched, self._results_at if step.chained else None, prefilled=step.drafter_prefilled)
+        since = self._results_at if step.chained and timed else None
+        self._time_step(step.sched, since, prefilled=step.drafter_prefilled)
         return outputs

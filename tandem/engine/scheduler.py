@@ -65,6 +65,13 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def has_prompt_work(self) -> bool:
+        """Whether a request computes more than one token and its drafts, or samples nothing: a
+        prompt chunk (or a recomputation after preemption). Every engine pays for such a step,
+        so a step cost learned from one says nothing about a K (`SpecDecoder.observe_step`)."""
+        return any(s.num_tokens != 1 + len(s.draft) or not s.samples for s in self.scheduled)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:

@@ -485,7 +485,7 @@ class SpecDecoder:
             prefilled = self.take_drafter_prefilled()
         if self.auto is None or not sched.scheduled:
             return None
-        if any(s.num_tokens != 1 + len(s.draft) or not s.samples for s in sched.scheduled):
+        if sched.has_prompt_work:
             return None
         ks = [len(s.draft) for s in sched.scheduled]
         if drafted is None:  # `drafted`: the depths a step ahead drafted at (chosen before the last choice)
