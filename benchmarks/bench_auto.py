@@ -256,6 +256,9 @@ def main() -> None:
                     help="wall time per step kind (prefill, graph, eager) and between steps, per configuration")
     ap.add_argument("--eager-prefill-too", action="store_true",
                     help="also run each configuration with prefill graphs off (--prefill-graph-max-tokens 0)")
+    ap.add_argument("--aa", action="store_true",
+                    help="also a second engine with no speculation, 'none (A/A)': its ratio to none is the run's noise "
+                         "(on the H100 boxes the host's pace flipped between ~0.69 and ~1.1 ms a step between runs)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--traces", default=None, help="also record DSpark K=kmax verify traces here")
     args = ap.parse_args()
@@ -268,6 +271,8 @@ def main() -> None:
     table = configs(args.methods.split(","), args.kmax, [json.loads(f) for f in args.phase_k_fit.split(";")] if args.phase_k_fit else [])
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
+    if args.aa:
+        table["none (A/A)"] = None
     variants = [(name, spec, None) for name, spec in table.items()]
     if args.eager_prefill_too:
         variants += [(f"{name}, eager prefill", spec, 0) for name, spec in table.items()]
