@@ -38,6 +38,10 @@
 # llguidance wheel): the fixed GPU test of the draft model's chained steps (ef91f97), the AMX kernel against avx512bf16
 # where experts get several tokens (16 and 8 of 256 kept), auto live with the held batch choices of 0bef271 and the
 # stage clock, and where the draft model's K = 0 steps go at 16 requests against no speculation.
+# After session 21 (its budget ran out before its last fixes were measured), `after21` (~5 minutes; carry the
+# llguidance wheel): the draft model's auto at K = 0 and at 16 requests after 94684c4 (zero holds kept across request
+# changes) and 8701cf1 (a landing that holds a prompt launch is not timed): the interval profile with its tallies and
+# learned residuals at 16 and 8, then auto live with an A/A engine (bench_auto --aa) for the run's own noise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -53,7 +57,15 @@ profile_draft_model_c16() {
         grep "tok/s" "$out/profile_c16_$name.txt"
     done
 }
-if [ "$part" = after17 ]; then
+if [ "$part" = after21 ]; then
+for c in 16 8; do
+    timeout 110 python3 benchmarks/profile_step_intervals.py --device cuda --concurrency $c --warmup-rounds 1 --rounds 2 \
+        --out "$out/intervals_draft_model_c$c.json" 2>&1 | grep -v "INFO\|Loading\|Capturing" | tail -4
+done
+timeout 200 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 7 --concurrency 1,8,16 \
+    --rounds 4 --prompts 32 --prompts-per-slot 16 --only "none,dspark K=7,dspark auto,draft_model auto" --aa \
+    --out "$out/auto_live_aa.json" 2>&1 | grep -v "INFO\|Loading\|Capturing\|^round" | tail -8
+elif [ "$part" = after17 ]; then
 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft or drafters" 2>&1 | tail -30 \
     | tee "$out/gpu_chain_tests.txt"
 for kept in 16:4 8:8; do  # experts kept : layers cycled (a cold working set of 0.8-0.9 GB)
