@@ -96,7 +96,7 @@ def test_auto_times_the_steps_ahead_and_learns_their_cost(demo_prompts):
     out = llm.generate(ids[:1], GREEDY)
     assert out[0].token_ids == ref[0]
     assert llm.engine.num_async_steps > 20
-    # Steps of a held all-zero choice are timed one in HELD_STEPS_TIMED; the others every one.
+    # Steps are timed one in HELD_STEPS_TIMED once their kind was seen enough; every one before.
     assert counter(llm.engine, "spec_decode_timed_steps") - timed >= llm.engine.num_async_steps // HELD_STEPS_TIMED
     assert (1, False) in auto.cost.residual  # learned from the steps ahead
 
@@ -303,3 +303,33 @@ def test_a_step_landing_while_a_prompt_step_launches_is_not_a_plain_steps_cost(d
     assert [o.token_ids for o in out] == ref[:4]
     assert any(ahead_prompts), ahead_prompts  # a prompt chunk went ahead of a step in flight
     assert len(plain) > 10 and max(plain) < 0.6, sorted(plain)[-3:]
+
+
+def test_steps_are_timed_one_in_held_steps_timed_across_k_changes(demo_prompts, monkeypatch):
+    # The cost model learns from a sample of steps once their kind (batch bucket, drafting or
+    # not) is known, counted across changes of the K counts: timing every step after a change
+    # timed mostly the steps that hold the change's own host work (at 8-16 requests the batch
+    # changes every few steps). Here every step is a change.
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO},
+              async_scheduling=True, **COMMON)
+    eng, spec = llm.engine, llm.engine.spec
+    never_pays(spec.auto)
+    for bucket in spec.auto.cost.buckets:  # every kind of step known already
+        spec.auto.cost.observed[(bucket, False)] = spec.auto.cost.observed[(bucket, True)] = 100
+    count_spec_step = eng._count_spec_step
+
+    def every_step_a_change() -> None:
+        eng._k_seen = None
+        count_spec_step()
+
+    monkeypatch.setattr(eng, "_count_spec_step", every_step_a_change)
+    eligible, given = [], []
+    time_step, observe_step = eng._time_step, spec.observe_step
+    monkeypatch.setattr(eng, "_time_step", lambda sched, since, drafted=None, prefilled=None: (
+        eligible.append(since is not None), time_step(sched, since, drafted, prefilled))[-1])
+    monkeypatch.setattr(spec, "observe_step", lambda *a, **k: given.append(1) or observe_step(*a, **k))
+    out = llm.generate(ids[:2], GREEDY)
+    assert [o.token_ids for o in out] == ref[:2]
+    n = sum(eligible)
+    assert n > 4 * HELD_STEPS_TIMED and len(given) <= n // HELD_STEPS_TIMED + 2, (n, len(given))

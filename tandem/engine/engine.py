@@ -42,7 +42,7 @@ from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger("tandem")
 
 GiB = 1024**3
-HELD_STEPS_TIMED = 8  # one step in this many of a held K choice refines the step-cost model (`_time_step`)
+HELD_STEPS_TIMED = 8  # one step in this many refines the step-cost model, once its kind is known (`_time_step`)
 MAX_HELD_UNCOUNTED = 64  # a held K choice's repeats are counted at least this often (`_count_spec_step`)
 
 
@@ -118,6 +118,7 @@ class LLMEngine(AheadSteps):
         # steps, where a dozen metric updates a step show. `_k_repeats` steps wait to be counted.
         self._k_seen: Mapping[tuple[str, int], int] | None = None
         self._k_repeats = 0
+        self._untimed = 0  # steps since the last one auto's cost model was given (`_time_step`)
         startup.log_ready(self, num_blocks, block_size)
 
     # -- start-up planning ------------------------------------------------------------------
@@ -369,10 +370,16 @@ class LLMEngine(AheadSteps):
             self._flush_k_counts()  # the engine ran dry: /metrics and the stats line see every step
         if since is None or self.spec is None or self.spec.auto is None:
             return
-        if self._k_repeats % HELD_STEPS_TIMED and not (self.spec.drafter_prefilled if prefilled is None else prefilled):
-            # A step of a held choice: one in HELD_STEPS_TIMED refines the cost (the step-time EMA
-            # and the predicted / measured metrics are averages: a sample of these steps keeps them)
+        self._untimed += 1
+        if (self._untimed < HELD_STEPS_TIMED and not (self.spec.drafter_prefilled if prefilled is None else prefilled)
+                and self.spec.step_kind_known(sched)):
+            # One step in HELD_STEPS_TIMED refines the cost (the step-time EMA and the predicted /
+            # measured metrics are averages: a sample keeps them), counted across K changes: timing
+            # every step after one (as a step of a new choice was) times mostly the steps whose
+            # time holds that choice's host work, with requests changing every few steps at 8-16.
+            # A kind of step (batch bucket, drafting or not) seen too few times yet is timed always.
             return
+        self._untimed = 0
         seconds = now - since
         prediction = self.spec.observe_step(sched, seconds, drafted, prefilled)
         if prediction is not None:

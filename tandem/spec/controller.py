@@ -467,6 +467,13 @@ class SpecDecoder:
         prefilled, self._drafter_prefilled = self._drafter_prefilled, False
         return prefilled
 
+    def step_kind_known(self, sched: SchedulerOutput) -> bool:
+        """auto: whether steps like this one (its batch bucket, drafting or not) refined the cost
+        model often enough (`StepCost.known`) that the engine may time only a sample of them."""
+        assert self.auto is not None
+        batch = sched.scheduled
+        return self.auto.cost.known(len(batch), any(s.draft for s in batch))
+
     def observe_step(self, sched: SchedulerOutput, seconds: float, drafted: Sequence[int] | None = None,
                      prefilled: bool | None = None) -> StepPrediction | None:
         """auto: a step took `seconds` (propose to postprocess). A step of decodes and verifies

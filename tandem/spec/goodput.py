@@ -314,6 +314,11 @@ class StepCost:
     def _residual_key(self, ks: Sequence[int], drafted: Sequence[int] | None) -> tuple[int, bool]:
         return self.bucket(len(ks)), any(ks if drafted is None else drafted)
 
+    def known(self, batch: int, drafting: bool) -> bool:
+        """Whether steps of `batch` requests (drafting or not) refined the residual MIN_PLAIN_STEPS
+        times: from then on a sample of them keeps it (the engine times one in HELD_STEPS_TIMED)."""
+        return batch > 0 and self.observed.get((self.bucket(batch), drafting), 0) >= MIN_PLAIN_STEPS
+
     def learned(self, ks: Sequence[int], drafted: Sequence[int] | None = None) -> float:
         """The learned host seconds of a step like this (see the class docstring). A kind of step
         not seen yet in its bucket takes the other kind's: most host work is the same with or
