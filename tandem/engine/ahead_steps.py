@@ -76,8 +76,8 @@ class AheadSteps:
         launched = self._launch(nxt, forward, prev)
         # `prev`'s time runs from the last landing to its own and so holds `nxt`'s launch: with a
         # prompt chunk in it (the target's prefill staged, a draft model fed it) that time is no
-        # plain step's cost. Learned as one, it made K = 0 look dear: with a new request every
-        # few steps at 16, these were the steps auto timed first after each change.
+        # plain step's cost. Learned as one, it charged prompt work to K = 0 (with a new request
+        # every few steps at 16, often).
         outputs = self._land(prev, timed=not nxt.has_prompt_work)
         if not launched:  # after `prev`'s tokens: a request they stopped is skipped
             outputs += self._finish_step(nxt, forward, {}, started, observed=True)
