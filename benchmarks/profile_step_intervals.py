@@ -230,6 +230,9 @@ def main() -> None:
             if auto is not None:
                 row[name]["residual_ms"] = {f"{b}{'+draft' if d else ''}": round(1e3 * v, 3)
                                             for (b, d), v in sorted(auto.cost.residual.items())}
+                # the tables' plain step at each bucket, to set the residuals against the intervals
+                row[name]["table_plain_ms"] = {b: round(1e3 * auto.cost.modelled([0] * b), 3) for b in auto.cost.buckets}
+                row[name]["catch_up_ms"] = round(1e3 * auto.catch_up, 3)
             top = next(iter(row[name]["intervals"].items()), None)
             print(f"round {r + 1} {name:<5} {row[name]['tok_s']:>7} tok/s; most intervals: {top[0] if top else '-'} "
                   f"{top[1]['ms_median'] if top else 0:.3f} ms (median of {top[1]['n'] if top else 0}); "
