@@ -98,7 +98,8 @@ class Tally:
         setattr(cls, name, counted)
 
     def take(self) -> dict[str, int]:
-        out, self.counts = dict(sorted(self.counts.items())), self.counts
+        """The counts since the last take (the wrappers keep counting into the same Counter)."""
+        out = dict(sorted(self.counts.items()))
         self.counts.clear()
         return out
 
