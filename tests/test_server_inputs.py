@@ -292,7 +292,10 @@ def test_sigterm_stops_the_server_while_a_template_loops(tmp_path: Path) -> None
     template = tmp_path / "loop.jinja"
     template.write_text(TRICK_TEMPLATE)
     proc, url = start_serve("tandem-builtin", "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", "16MiB",
-                            "--chat-template", str(template), "--chat-template-timeout", "60")
+                            "--chat-template", str(template), "--chat-template-timeout", "60",
+                            # the looping render holds its connection open: uvicorn waits for it
+                            # --shutdown-timeout + 5 s (30 s by default) before it closes it
+                            "--shutdown-timeout", "1")
     try:
         looping = threading.Thread(target=lambda: httpx.post(f"{url}{CHAT}", timeout=120,
                                                              json={"messages": [{"role": "user", "content": "loop"}]}))
