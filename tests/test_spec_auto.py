@@ -304,8 +304,7 @@ def test_a_padded_batch_is_searched_once_per_refresh_though_its_requests_context
     # Eight requests whose drafts are accepted whole about half the time: one context or
     # another flips nearly every step. Under a padded cost the batch's depth stands while the
     # batch and its phases do, so a search runs every REFRESH_STEPS steps, not every step, and
-    # less often once the searches keep finding the same depth (up to HOLD_MAX steps); a
-    # new request or a phase switch searches at once.
+    # less often once the searches keep finding the same depth (up to HOLD_MAX steps).
     from tandem.spec import auto as auto_module
 
     searches = counted_searches(monkeypatch)
@@ -322,17 +321,14 @@ def test_a_padded_batch_is_searched_once_per_refresh_though_its_requests_context
             auto.observe(rid, k, verify(rng, [0.9] * 4, k))
     # 8 -> 16 -> 32 -> 32 .. steps between searches (the 200 steps before got there already)
     assert 80 // auto_module.HOLD_MAX <= len(searches) <= 80 // auto_module.HOLD_MAX + 1, len(searches)
-    searches.clear()
-    auto.choose(ids, ["reasoning"] * 7 + ["content"], [99] * 8)  # a phase switch
-    auto.choose([*ids, "r8"], ["reasoning"] * 7 + ["content"] * 2, [99] * 9)  # a new request
-    assert len(searches) == 2
 
 
-def test_a_padded_batch_whose_requests_change_in_the_same_phases_takes_its_depth_without_a_search(monkeypatch):
-    # At 8-16 requests of ~100 tokens one request finishes and another comes every few steps:
-    # a batch as large, in the same phases, takes the last search's depth for what is left of
-    # REFRESH_STEPS, instead of searching on every change. Not a batch whose phases differ, one
-    # of another size, a request whose room is below the depth, or once REFRESH_STEPS passed.
+def test_a_padded_batch_whose_requests_change_takes_the_depth_its_phases_weigh_in_for_without_a_search(monkeypatch):
+    # At 8-16 requests of ~100 tokens a request finishes, another comes or one leaves its
+    # reasoning nearly every step. Within REFRESH_STEPS of a search, a changed batch of more than
+    # MIX_MAX_BATCH requests (other requests, other phases, another size, a request near its
+    # end) takes the depth its phases and contexts weigh in for, instead of a search; not once
+    # REFRESH_STEPS passed.
     from tandem.spec import auto as auto_module
 
     searches = counted_searches(monkeypatch)
@@ -341,22 +337,57 @@ def test_a_padded_batch_whose_requests_change_in_the_same_phases_takes_its_depth
     for _ in range(100):  # past the probes of thin evidence
         for rid, k in zip(ids, auto.choose(ids, phases, [99] * 8)):
             auto.observe(rid, k, verify(rng, [0.9] * 4, k) if k else 0)
+    auto._batch = (*auto._batch[:4], auto._step)  # as if its search were this step's
     auto.remove("r0")  # r0 finished, r8 came, in the same phase
     searches.clear()
     swapped = ["r8", *ids[1:]]
     assert auto.choose(swapped, phases, [99] * 8) == [4] * 8 and not searches
-    assert auto.repeat(swapped) is None  # given, not held: a hold is for the requests it was found for
+    assert auto.repeat(swapped) == [4] * 8  # and held, while the search it came from stands
     assert auto.choose(swapped, phases[::-1], [99] * 8) == [4] * 8 and not searches  # the same phases, reordered
-    auto.choose(["r9", *ids[1:]], ["content"] + phases[1:], [99] * 8)  # other phases
-    assert len(searches) == 1
-    auto.remove("r9")
-    auto.choose(["r10", *ids[1:]], phases, [2] + [99] * 7)  # room below the depth
-    assert len(searches) == 2
-    auto.remove("r10")
+    auto.choose(swapped, ["content"] + phases[1:], [99] * 8)  # a phase switch
+    auto.choose([*swapped, "r9"], ["content"] + phases, [99] * 9)  # a ninth request
+    assert auto.choose([*swapped, "r9"], ["content"] + phases, [2] + [99] * 8) == [2] + [4] * 8  # r8 near its end
+    assert not searches
     for _ in range(auto_module.REFRESH_STEPS):
         auto._step += 1
     auto.choose(["r11", *ids[1:]], phases, [99] * 8)  # the last search is REFRESH_STEPS old
-    assert len(searches) == 3
+    assert len(searches) == 1
+
+
+def test_a_changed_batch_takes_the_depth_a_search_on_its_phases_finds():
+    # The depth a changed batch takes without a search is the one a search finds when every
+    # request is at its phase's rates. With a dear drafter, a batch of requests in a phase that
+    # drafts well (deep) and one that drafts badly (not at all, alone) drafts while enough of it
+    # is in the first: the mix turns one request at a time, down and back up, and at every mix
+    # the depth is the search's, from the last depth with the search's hysteresis.
+    from tandem.spec.goodput import HYSTERESIS
+
+    dear = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
+                     draft={(b, d): 1.5 for b in (1, 2, 4, 8, 16) for d in range(1, 5)})
+    auto, rng = AutoK(4, (1, 2, 3, 4), dear), random.Random(1)
+    truth = {"reasoning": [0.9] * 4, "content": [0.3] * 4}
+    ids = [f"r{i}" for i in range(8)]
+    for step in range(400):  # both phases verified well past MIN_EVIDENCE: a phase per request, turning
+        phases = ["reasoning" if (i + step // 50) % 2 else "content" for i in range(8)]
+        for rid, phase, k in zip(ids, phases, auto.choose(ids, phases, [99] * 8)):
+            auto.observe(rid, k, verify(rng, truth[phase], k) if k else 0)
+    depths, last = [], 4
+    for reasoning in [*range(8, -1, -1), *range(1, 9)]:
+        phases = ["reasoning"] * reasoning + ["content"] * (8 - reasoning)
+        auto._batch = (None, (), -1, [last] * 8, auto._step)  # a search just made, for other requests
+        keys = [p + (RUN if auto._in_run.get(r, True) else "") for r, p in zip(ids, phases)]
+        # every other mix with two requests near their ends: their depth is cut to their room
+        limits = [99] * 8 if reasoning % 2 else [2, 99, 99, 99, 99, 99, 99, 0]
+        got = auto._batch_choice(ids, phases, keys, limits)
+        rates = [auto._prior(key) for key in keys]
+        want = choose_ks(rates, (1, 2, 3, 4), dear, previous=[min(last, c) for c in limits], limits=limits,
+                         hysteresis=HYSTERESIS)
+        assert got == want, (reasoning, got, want)
+        depths.append(max(got))
+        last = max(got)
+    # deep while most of the batch drafts well, none once few do (the mix decides: not only at
+    # its ends), and back
+    assert depths[0] > 0 and 1 < depths.index(0) < 8 and depths[8] == 0 and depths[-1] > 0, depths
 
 
 def test_the_phase_rates_a_request_without_its_own_choice_is_predicted_on_are_kept_refresh_steps():

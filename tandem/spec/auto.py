@@ -39,7 +39,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.spec.goodput import HYSTERESIS, PHASE_DECAY, AcceptanceStats, StepCost, choose_ks, expected_accepted
+from tandem.spec.goodput import (HYSTERESIS, PHASE_DECAY, AcceptanceStats, StepCost, choose_ks, expected_accepted,
+                                 expected_curve)
 
 logger = logging.getLogger("tandem")
 
@@ -171,6 +172,11 @@ class AutoK:
         # Steps it stands: REFRESH_STEPS, doubled (up to HOLD_MAX) each time a search of the
         # same batch finds the same ks again (`_search_batch`).
         self._batch_refresh = REFRESH_STEPS
+        self._allowed = sorted({0, *self.depths})  # the depths a uniform batch may take
+        # The largest allowed depth <= k, for k = 0 .. the deepest (a uniform depth within a room).
+        self._fit = [max(d for d in self._allowed if d <= k) for k in range(self._allowed[-1] + 1)]
+        self._curves: dict[str, tuple[int, list[float]]] = {}  # key -> (its prior's step, E curve)
+        self._uniform_costs: dict[int, tuple[int, list[float]]] = {}  # see _phase_ks
         # The next captured depth above each K (None above the deepest): what a probe tries.
         self._deeper = {k: next((d for d in self.depths if d > k), None) for k in range(max_k + 1)}
 
@@ -203,8 +209,9 @@ class AutoK:
             # requests their contexts: `_run_mix`), for REFRESH_STEPS steps or more
             # (`_search_batch`), though single requests' contexts flip (one or another does
             # nearly every step at 4 and more, and a search every step cost ~0.1 ms of host time
-            # at 16 on the H100 box's Xeon). A draft is predicted with the request's last
-            # searched rates in its context (the phase's while it has none).
+            # at 16 on the H100 box's Xeon); a changed batch is weighed per phase and context
+            # until the next search. A draft is predicted with the request's last searched rates
+            # in its context (the phase's while it has none).
             ks, rates = batch, []
             searched = [self._batch[4]] * len(ids)  # a request's context may not have been searched
             for c, key in zip(cached, keys):
@@ -310,32 +317,79 @@ class AutoK:
 
     def _batch_choice(self, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str],
                       limits: Sequence[int]) -> list[int] | None:
-        """The last search's ks when it was made for this batch (the same requests in the same
-        phases with the same mix of contexts, under a padded cost) less than `_batch_refresh`
-        steps ago and every K is still within its request's limit; else None (the caller
-        searches). A copy: probes change it.
+        """Under a padded cost, the batch's ks without a search, or None (the caller searches):
 
-        A batch of other requests (one finished, another came) in the same phases, as many,
-        takes the last search's depth when that gave every request the same one, for what is
-        left of REFRESH_STEPS: a new request's estimate is its phase's until it verifies, which
-        the search weighed in already through the others, and a padded step costs its depth
-        whoever drafts it. At 8-16 requests of ~100 tokens the batch changes every few steps,
-        and each change searched: at 8 requests on an H100 box DSpark auto's steps ahead took
-        0.5 ms longer than K=7's at the same depths, 0.24 ms of it auto's own host work."""
+        - the last search's ks, when it was made for this batch (the same requests in the same
+          phases with the same mix of contexts) less than `_batch_refresh` steps ago and every K
+          is still within its request's limit;
+        - for a changed batch (a request came or went, switched phase, or neared its end) of more
+          than MIX_MAX_BATCH requests, less than REFRESH_STEPS steps after a search: the depth its
+          phases and contexts weigh in for (`_phase_ks`).
+
+        At 8-16 requests of ~100 tokens the batch changes nearly every step, and each change
+        searched: on an H100 box at 16 requests DSpark auto searched at 349 of ~550 steps, and
+        its `choose_ahead` took 0.20 ms of host time a step where K=7's took 0.04 (session 22).
+        The search weighs each request's own rates; between searches a changed batch is weighed
+        per phase and context, which is what a new request's rates are until it verifies. A
+        copy: probes change it."""
         batch = self._batch
         if batch is None:
             return None
-        age = self._step - batch[4]
-        if batch[0] == tuple(ids):
-            if (age >= self._batch_refresh or batch[1] != tuple(phases) or batch[2] != _run_mix(keys)
-                    or any(k > limit for k, limit in zip(batch[3], limits))):
-                return None
-            return list(batch[3])
-        ks = batch[3]
-        if (age >= REFRESH_STEPS or len(ids) != len(ks) or len(ids) <= MIX_MAX_BATCH or ks.count(ks[0]) != len(ks)
-                or any(ks[0] > limit for limit in limits) or sorted(phases) != sorted(batch[1])):
+        age, ks = self._step - batch[4], batch[3]
+        if (batch[0] == tuple(ids) and batch[1] == tuple(phases) and batch[2] == _run_mix(keys)
+                and age < self._batch_refresh and all(k <= limit for k, limit in zip(ks, limits))):
+            return list(ks)
+        if age >= REFRESH_STEPS or len(ids) <= MIX_MAX_BATCH:
             return None
-        return [ks[0]] * len(ids)
+        ks = self._phase_ks(keys, limits, max(ks, default=0))
+        # what `_search_batch` keeps, for this batch, from the same search (its age and refresh)
+        self._batch = (tuple(ids), tuple(phases), _run_mix(keys), ks, batch[4])
+        return list(ks)
+
+    def _phase_ks(self, keys: Sequence[str], limits: Sequence[int], last: int) -> list[int]:
+        """The ks of the uniform depth (each request at most its limit) that a search would give a
+        padded batch of requests in these contexts, each at its context's rates (`_prior`); `last`,
+        the batch's depth so far, unless another beats it by the hysteresis a search asks.
+
+        A padded step charges its depth to every request, so its goodput at a uniform depth is
+        (n + the sum of its requests' E at that depth) / the step's seconds: one sum per context
+        (count x its E), plus one term per request whose room is below the deepest depth."""
+        n, allowed, fit, top = len(keys), self._allowed, self._fit, self._allowed[-1]
+        gains = [0.0] * len(allowed)
+        counts: dict[str, int] = {}
+        capped = False
+        for key, limit in zip(keys, limits):
+            if limit >= top:
+                counts[key] = counts.get(key, 0) + 1
+                continue
+            capped, curve = True, self._curve(key)
+            for j, d in enumerate(allowed):
+                gains[j] += curve[fit[min(d, max(limit, 0))]]
+        for key, count in counts.items():
+            curve = self._curve(key)
+            for j, d in enumerate(allowed):
+                gains[j] += count * curve[d]
+        if capped:  # the step's depth and its drafting requests depend on the rooms
+            costs = [self.cost.seconds([fit[min(d, max(limit, 0))] for limit in limits]) for d in allowed]
+        else:
+            hit = self._uniform_costs.get(n)
+            if hit is None or self._step - hit[0] >= REFRESH_STEPS:  # the residuals move as slowly as the rates
+                hit = self._uniform_costs[n] = (self._step, [self.cost.seconds([d] * n) for d in allowed])
+            costs = hit[1]
+        goodput = [(n + g) / c for g, c in zip(gains, costs)]
+        best = max(range(len(allowed)), key=goodput.__getitem__)
+        at_last = goodput[allowed.index(fit[min(last, top)])]
+        depth = allowed[best] if goodput[best] > at_last * (1 + self._hysteresis([last] * n)) else last
+        return [fit[min(depth, max(limit, 0))] for limit in limits]
+
+    def _curve(self, key: str) -> list[float]:
+        """E(0) .. E(deepest) of a context at its prior (`_prior`), kept as long as the prior is."""
+        rates = self._prior(key)
+        at = self._priors[key][0]  # the step the prior was worked out at
+        hit = self._curves.get(key)
+        if hit is None or hit[0] != at:
+            hit = self._curves[key] = (at, expected_curve(rates, self._allowed[-1]))
+        return hit[1]
 
     def repeat(self, ids: Sequence[str]) -> list[int] | None:
         """The last choice again, when it holds for these requests (the same ones, within the

@@ -183,6 +183,11 @@ class AcceptanceStats:
         return counts.rates(prior[: self.max_k], self.prior_weight)
 
 
+def expected_curve(rates: Sequence[float], top: int) -> list[float]:
+    """[E(0), E(1), .. E(top)]: `expected_accepted` at every depth up to `top`, in one pass."""
+    return list(accumulate(accumulate(rates[:top], operator.mul), initial=0.0))
+
+
 def expected_accepted(rates: Sequence[float], k: int) -> float:
     """E(K) = sum over i <= K of a_1 * ... * a_i: the expected accepted drafts of K."""
     total, run = 0.0, 1.0
@@ -407,7 +412,7 @@ def choose_ks(
     allowed = sorted({0, *depths})
     caps = list(limits) if limits is not None else [allowed[-1]] * n
     # expected[r][k] = E_r(k) for every k up to the deepest allowed depth.
-    expected = [list(accumulate(accumulate(r[: allowed[-1]], operator.mul), initial=0.0)) for r in rates]
+    expected = [expected_curve(r, allowed[-1]) for r in rates]
     spent = drafted is not None
 
     def g(ks: Sequence[int]) -> float:
