@@ -523,6 +523,48 @@ def test_an_all_zero_choice_found_again_is_held_longer_also_for_a_changed_batch(
     assert len(searches) == 1 and auto.choose(ids, ["reasoning"] * 8, [99] * 8) == [0] * 8
 
 
+def test_a_batch_held_at_its_deepest_depth_keeps_its_hold_as_requests_come_and_go(monkeypatch):
+    # Under a padded cost a batch held at the deepest depth (DSpark at 8-16 requests, nearly every
+    # step) keeps its hold when a request finishes, and a request that comes joins it with no
+    # `choose` when its room takes the depth and the batch's phases still weigh in for it. Not
+    # one whose room is too small, nor a batch that would draft less with the newcomers.
+    from tandem.spec import auto as auto_module
+
+    searches = counted_searches(monkeypatch)
+    dear = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
+                     draft={(b, d): 2.5 for b in (1, 2, 4, 8, 16) for d in range(1, 5)})
+    auto, rng = AutoK(4, (1, 2, 3, 4), dear), random.Random(2)
+    truth = {"reasoning": [0.95] * 4, "content": [0.2] * 4}
+    ids = [f"r{i}" for i in range(8)]
+    for step in range(400):  # evidence for both phases, then reasoning only until a hold stands
+        phases = ["content" if step < 100 and i % 2 else "reasoning" for i in range(8)]
+        ks = auto.repeat(ids) if step >= 100 else None
+        for rid, phase, k in zip(ids, phases, ks or auto.choose(ids, phases, [99] * 8)):
+            auto.observe(rid, k, verify(rng, truth[phase], k) if k else 0)
+        if step >= 100 and auto.deepest_held() == ids and auto._hold > 4:
+            break
+    assert auto.deepest_held() == ids, (auto._hold, auto._hold_kind, auto._held_ks)
+    searches.clear()
+    choose = auto.choose
+    chosen: list[int] = []
+    monkeypatch.setattr(auto, "choose", lambda *a: chosen.append(1) or choose(*a))
+    auto.remove("r3")
+    rest = [rid for rid in ids if rid != "r3"]
+    assert auto.deepest_held() == rest and auto.repeat(rest) == [4] * 7
+    left = auto._hold
+    assert auto.join_batch_hold([*rest, "n1"], ["n1"], ["reasoning"], [99]) == [4] * 8
+    assert auto._hold == left - 1 and auto.repeat([*rest, "n1"]) == [4] * 8
+    assert auto._pending["n1"].key == "reasoning" + RUN  # its verify is recorded under its context
+    batch = [*rest, "n1"]
+    # A room below what the hold's steps take: not joined, nothing changed.
+    assert auto.join_batch_hold([*batch, "n2"], ["n2"], ["reasoning"], [4]) is None
+    assert auto.deepest_held() == batch
+    # Six newcomers in a phase that drafts badly: with them the batch would not draft 4.
+    newcomers = [f"c{i}" for i in range(6)]
+    assert auto.join_batch_hold([*batch, *newcomers], newcomers, ["content"] * 6, [99] * 6) is None
+    assert auto.deepest_held() == batch and not searches and not chosen
+
+
 def test_a_batch_held_at_k0_keeps_its_hold_as_requests_come_and_go(monkeypatch):
     # At K = 0 a request that finishes leaves the others' hold standing, and one that comes in a
     # phase that would not draft joins it, with no search (at 8 requests on the H100 box each
@@ -672,6 +714,26 @@ def test_a_draft_model_held_at_k0_keeps_its_hold_as_requests_come_and_go(demo_pr
     assert [o.token_ids for o in out] == ref
     assert any(joined), joined
     assert counter(llm.engine, "spec_decode_num_drafts") == 0
+
+
+def test_dspark_held_at_its_deepest_depth_keeps_its_hold_as_requests_come_and_go(demo_prompts):
+    # Async scheduling (steps ahead), three requests at a time, drafting pays and is accepted
+    # well: the batch's hold at the deepest depth survives requests finishing, and requests that
+    # come in join it (`SpecDecoder.choose_ahead`) with no `choose`, tokens unchanged.
+    ids, ref = demo_prompts
+    llm = LLM(str(DEMO), speculative_config={"method": "dspark", "num_speculative_tokens": 2, **AUTO},
+              **{**COMMON, "async_scheduling": True, "max_num_seqs": 3})
+    auto = llm.engine.spec.auto
+    auto.cost = hand_cost({b: {1: 1.0, 2: 1.01, 3: 1.02} for b in auto.cost.buckets})
+    for phase in ("reasoning", "content", "tool_call"):
+        for _ in range(40):
+            auto.stats.observe("seed", phase + "+run", 2, 2)
+            auto.stats.observe("seed", phase, 2, 2)
+    joined, join = [], auto.join_batch_hold
+    auto.join_batch_hold = lambda *a: joined.append(join(*a)) or joined[-1]
+    out = llm.generate(ids * 3, GREEDY)  # enough requests for the batch to change under a hold
+    assert [o.token_ids for o in out] == ref * 3
+    assert any(ks is not None for ks in joined), joined
 
 
 def test_a_draft_models_feed_after_a_verify_is_a_drafting_step_auto_learns_from(demo_prompts, monkeypatch):

@@ -8,9 +8,13 @@ One step, as `SpecDecoder` drives it:
    of that phase and context) and the step cost; the drafter then drafts to the batch's deepest K.
    A choice is reused for `REFRESH_STEPS` steps: per request and context, and under a padded
    cost (CUDA graphs) for the batch as a whole while its requests and phases stay; each search
-   that finds the same depth again lets it stand twice as long, up to `HOLD_MAX` steps. Such a
-   batch's choice, and an all-zero one, then repeat without `choose` (`repeat`) until a search,
-   a probe or a request's room says otherwise.
+   that finds the same depth again lets it stand twice as long, up to `HOLD_MAX` steps. Between
+   searches a changed padded batch (requests coming, going, switching phase) takes the depth its
+   phases and contexts weigh in for, with no search (`_batch_choice`). Such a batch's choice,
+   and an all-zero one, then repeat without `choose` (`repeat`) until a search, a probe or a
+   request's room says otherwise; requests that finish leave the hold standing for the others,
+   and requests that come join it where their phases keep its choice (`join_zero_hold`,
+   `join_batch_hold`).
 2. `refine(ids, confidences)`, for a drafter with a confidence head (DSpark): the drafts are cut
    where the drafter's own confidence, calibrated online against what verifies accepted, says the
    remaining tokens do not pay for their verify (the drafter's time is spent by then, so only the
@@ -452,6 +456,55 @@ class AutoK:
         """The requests an all-zero hold with steps left stands for (None: no such hold)."""
         return self._hold_of[0] if self._hold > 0 and self._hold_kind == "zero" else None
 
+    def deepest_held(self) -> list[str] | None:
+        """The requests a padded batch's hold at the deepest depth, with steps left, stands for
+        (None: no such hold)."""
+        if self._hold <= 0 or self._hold_kind != "batch" or any(k != self._allowed[-1] for k in self._held_ks):
+            return None
+        return self._hold_of[0]
+
+    def join_batch_hold(self, ids: Sequence[str], new: Sequence[str], phases: Sequence[str],
+                        limits: Sequence[int]) -> list[int] | None:
+        """A padded batch's hold at the deepest depth goes on for `ids`: the requests it holds
+        (those still running) and `new` ones (in `phases`, with rooms `limits`), when each new
+        room takes the depth for the steps left (else fewer are left) and the batch's phases
+        and contexts weigh in for that depth (`_phase_ks`, the rule a changed batch follows
+        between searches). At the deepest depth no request probes deeper, so nothing falls due.
+        Returns the held ks, one step of the hold taken, for `ids` (in order) from now on; None,
+        changing nothing: the caller chooses.
+
+        Why: DSpark at 8-16 requests drafts its deepest depth nearly every step, and the batch
+        changes nearly every step; each change ended the hold, and the `choose` that followed
+        (the phases tracked, each request's context, choice and probe) was most of what auto
+        cost the host over K=7 (session 22). A request leaving keeps the hold for the others
+        (`remove`)."""
+        held_ids = self.deepest_held()
+        if held_ids is None or len(ids) != len(held_ids) + len(new) or len(ids) <= MIX_MAX_BATCH:
+            return None
+        top = self._allowed[-1]
+        left = min(self._hold, *((limit - top) // (top + 1) for limit in limits))
+        added = dict(zip(new, phases))
+        held = dict(zip(held_ids, zip(self._hold_of[1], (key for _, key in self._held))))
+        if (left <= 0 or len(added) != len(new) or any(rid in held for rid in added)
+                or any(rid not in held and rid not in added for rid in ids)):
+            return None
+        order = [held[rid] if rid in held else (added[rid], added[rid] + RUN) for rid in ids]
+        keys = [phase + (RUN if self._in_run.get(rid, True) else "") for rid, (phase, _) in zip(ids, order)]
+        if self._phase_ks(keys, [top] * len(ids), top) != [top] * len(ids):
+            return None
+        for rid, phase in added.items():
+            self._previous.setdefault(rid, {})
+            self._same_steps.setdefault(rid, {})
+            self._pending[rid] = _Pending(phase, phase + RUN, self._prior(phase + RUN))
+        self._hold_of = (list(ids), [phase for phase, _ in order])
+        self._held = [(rid, key) for rid, (_, key) in zip(ids, order)]
+        self._held_ks, self._held_due, self._hold = [top] * len(ids), [math.inf] * len(ids), left
+        if self._batch is not None:  # the search the hold came from stands for this batch now
+            self._batch = (tuple(ids), tuple(self._hold_of[1]), _run_mix(keys), [top] * len(ids), self._batch[4])
+        self._repeat_batch()  # at the deepest depth no probe falls due: it takes the step
+        self._take_held_step()
+        return list(self._held_ks)
+
     def repeat_zero(self) -> bool:
         """One more step of an all-zero hold, for the batch it was set for: the caller vouches that
         the batch is unchanged (`SpecDecoder.repeat_zero`: the scheduler's running set is), so
@@ -693,11 +746,12 @@ class AutoK:
         if self._hold and request_id in self._hold_of[0]:
             left, kind = self._hold, self._hold_kind
             self._apply_held()
-            if kind == "zero":  # the others stay at K = 0 for what is left of it (`join_zero_hold`)
-                i = self._hold_of[0].index(request_id)
-                for held in (self._hold_of[0], self._hold_of[1], self._held, self._held_ks):
-                    del held[i]
-                self._hold = left if self._held else 0
+            # the others keep the hold for what is left of it (`join_zero_hold`, `join_batch_hold`)
+            i = self._hold_of[0].index(request_id)
+            for held in (self._hold_of[0], self._hold_of[1], self._held, self._held_ks,
+                         *((self._held_due,) if kind == "batch" else ())):
+                del held[i]
+            self._hold, self._hold_kind = (left if self._held else 0), kind
         self.stats.remove(request_id)
         self._choice.pop(request_id, None)
         self._previous.pop(request_id, None)

@@ -310,7 +310,7 @@ class SpecDecoder:
         counts them). Not recorded until `commit_ahead`. None: auto holds its last choice for
         these requests (`held_ks`, already recorded)."""
         ids = [r.request_id for r in requests]
-        if self.auto is not None and (held := self.auto.repeat(ids) or self._join_zero_hold(ids, requests)) is not None:
+        if self.auto is not None and (held := self.auto.repeat(ids) or self._join_hold(ids, requests, in_flight)) is not None:
             if self._drafted == (ids, held):
                 return None  # the last choice again: _drafted and chosen_k stand (phases tracked after)
             return held  # recorded anew: the last record was a synchronous draft's, cut by confidence
@@ -319,19 +319,24 @@ class SpecDecoder:
         rooms = [max(0, self.room(r) - 1 - k) for r, k in zip(requests, in_flight)]
         return self._choose(ids, requests, phases, rooms)
 
-    def _join_zero_hold(self, ids: list[str], requests: Sequence[Request]) -> list[int] | None:
-        """auto: all zero for a batch of the requests an all-zero hold stands for and new ones
-        whose phases would not draft either (`AutoK.join_zero_hold`); None: choose."""
+    def _join_hold(self, ids: list[str], requests: Sequence[Request], in_flight: Sequence[int]) -> list[int] | None:
+        """auto: the held ks for a batch of the requests a hold stands for and new ones that
+        may join it: an all-zero hold, when the new ones' phases would not draft either
+        (`AutoK.join_zero_hold`); a padded batch's hold at the deepest depth, when the batch's
+        phases still weigh in for it (`AutoK.join_batch_hold`). None: choose."""
         assert self.auto is not None
-        holding = self.auto.zero_held()
+        zero = self.auto.zero_held()
+        holding = zero if zero is not None else self.auto.deepest_held()
         if holding is None or len(ids) <= len(holding):
             return None
         members = set(holding)
-        new = [r for r in requests if r.request_id not in members]
-        phases = [self._track(r).tracker.phase for r in new]
-        if not self.auto.join_zero_hold(ids, [r.request_id for r in new], phases):
-            return None
-        return [0] * len(ids)
+        new = [(i, r) for i, r in enumerate(requests) if r.request_id not in members]
+        new_ids = [r.request_id for _, r in new]
+        phases = [self._track(r).tracker.phase for _, r in new]
+        if zero is not None:
+            return [0] * len(ids) if self.auto.join_zero_hold(ids, new_ids, phases) else None
+        rooms = [max(0, self.room(r) - 1 - in_flight[i]) for i, r in new]
+        return self.auto.join_batch_hold(ids, new_ids, phases, rooms)
 
     def held_ks(self, requests: Sequence[Request]) -> list[int]:
         """The ks of the last recorded choice for these requests: what a held one repeats."""
