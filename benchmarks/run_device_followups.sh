@@ -38,6 +38,7 @@
 # llguidance wheel): the fixed GPU test of the draft model's chained steps (ef91f97), the AMX kernel against avx512bf16
 # where experts get several tokens (16 and 8 of 256 kept), auto live with the held batch choices of 0bef271 and the
 # stage clock, and where the draft model's K = 0 steps go at 16 requests against no speculation.
+# After session 22, `after22` (issue 15) and `offload22` (issue 16), one call each: see their parts below.
 # After session 21 (its budget ran out before its last fixes were measured), `after21` (~5 minutes; carry the
 # llguidance wheel): the draft model's auto at K = 0 and at 16 requests after 94684c4 (zero holds kept across request
 # changes) and 8701cf1 (a landing that holds a prompt launch is not timed): the interval profile with its tallies and
@@ -57,7 +58,29 @@ profile_draft_model_c16() {
         grep "tok/s" "$out/profile_c16_$name.txt"
     done
 }
-if [ "$part" = after21 ]; then
+if [ "$part" = after22 ]; then
+# After session 22 (~4 minutes; carry the llguidance wheel): DSpark auto against K=7 at 16 and 8 requests after
+# c4fabaa (a changed padded batch weighed per phase between searches) and cada271 (a hold at the deepest depth survives
+# request changes): the interval profile with auto's tallies (choose, searches), then live with an A/A engine.
+K7='{"method": "dspark", "num_speculative_tokens": 7}'
+AUTO='{"method": "dspark", "num_speculative_tokens": 7, "adaptive": "auto"}'
+for c in 16 8; do
+    timeout 110 python3 benchmarks/profile_step_intervals.py --device cuda --concurrency $c --warmup-rounds 1 --rounds 2 \
+        --base "$K7" --spec "$AUTO" --out "$out/iv_dspark_c$c.json" 2>&1 | grep "^round\|wrote\|Error" | cut -c1-400
+done
+timeout 200 python3 benchmarks/bench_auto.py --device cuda --methods dspark,draft_model --kmax 7 --concurrency 1,8,16 \
+    --rounds 4 --prompts 32 --prompts-per-slot 16 --only "none,dspark K=7,dspark auto,draft_model auto" --aa \
+    --out "$out/auto_live_aa.json" 2>&1 | grep -v "INFO\|Loading\|Capturing\|^round" | tail -8
+elif [ "$part" = offload22 ]; then
+# Issue 16's end-to-end run, one call of its own (~5 minutes): V4 with 128 of 256 experts kept and the two hand-offs
+# interleaved did not fit 300 s beside other work in session 22. One repeat each; Qwen3 after, never overlapping.
+timeout 330 python3 benchmarks/bench_offload.py --shape v4-flash-experts --cpu-moe --fmt mxfp4 --num-experts-kept 128 \
+    --gpu-budget 24GiB --threads 15 --batches 1,2,4,8 --new-tokens 16 --handoff hostfunc,poll --out "$out/offload_v4_128.json" \
+    2>&1 | grep "^batch\|Error" | tail -16
+sleep 20  # the V4 process's 69 GiB of pinned experts released before the next run probes RAM
+timeout 200 python3 benchmarks/bench_offload.py --shape qwen3-30b-a3b --gpu-budget 8GiB --threads 15 --batches 1,2,4,8 \
+    --new-tokens 16 --handoff hostfunc,poll --out "$out/offload_qwen3.json" 2>&1 | grep "^batch\|Error" | tail -16
+elif [ "$part" = after21 ]; then
 for c in 16 8; do
     timeout 110 python3 benchmarks/profile_step_intervals.py --device cuda --concurrency $c --warmup-rounds 1 --rounds 2 \
         --out "$out/intervals_draft_model_c$c.json" 2>&1 | grep -v "INFO\|Loading\|Capturing" | tail -4
