@@ -668,6 +668,24 @@ def test_leaving_k0_must_pay_for_the_catch_up(monkeypatch):
     assert fresh.drafts_now("strong", 1) and fresh.drafts_now("weak", 1)
 
 
+def seed_every_phase(auto: AutoK, accepted: int, times: int = 20) -> None:
+    """Evidence for every phase in both contexts: `times` verifies of two drafts accepting `accepted`."""
+    for phase in ("reasoning", "content", "tool_call"):
+        for _ in range(times):
+            auto.stats.observe("seed", phase + RUN, 2, accepted)
+            auto.stats.observe("seed", phase, 2, accepted)
+
+
+def held_llm(method: str, max_num_seqs: int, per_q: dict[int, float]) -> tuple[LLM, AutoK]:
+    """The demo pair under auto with async scheduling, its step cost a hand table ({q: seconds}
+    at every bucket)."""
+    llm = LLM(str(DEMO), speculative_config={"method": method, "num_speculative_tokens": 2, **AUTO},
+              **{**COMMON, "async_scheduling": True, "max_num_seqs": max_num_seqs})
+    auto = llm.engine.spec.auto
+    auto.cost = hand_cost({b: dict(per_q) for b in auto.cost.buckets})
+    return llm, auto
+
+
 def test_a_draft_model_skips_prompts_auto_would_not_draft_for_and_catches_up_when_it_does(demo_prompts):
     ids, ref = demo_prompts
     llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO}, **COMMON)
@@ -676,10 +694,7 @@ def test_a_draft_model_skips_prompts_auto_would_not_draft_for_and_catches_up_whe
     buckets = auto.cost.buckets
     # Drafting never pays: a verify token costs ten steps; every phase has evidence of that.
     auto.cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0} for b in buckets})
-    for phase in ("reasoning", "content", "tool_call"):
-        for _ in range(20):
-            auto.stats.observe("seed", phase + "+run", 2, 0)
-            auto.stats.observe("seed", phase, 2, 0)
+    seed_every_phase(auto, accepted=0)
     def drafter_prefills() -> float:
         return counter(llm.engine, "spec_decode_drafter_steps", mode="prefill")
 
@@ -700,14 +715,8 @@ def test_a_draft_model_held_at_k0_keeps_its_hold_as_requests_come_and_go(demo_pr
     # Async scheduling, two requests at a time, drafting never pays: each request that comes in
     # joins the all-zero hold of the one decoding (`SpecDecoder.choose_ahead`), tokens unchanged.
     ids, ref = demo_prompts
-    llm = LLM(str(DEMO), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, **AUTO},
-              **{**COMMON, "async_scheduling": True, "max_num_seqs": 2})
-    auto = llm.engine.spec.auto
-    auto.cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0} for b in auto.cost.buckets})
-    for phase in ("reasoning", "content", "tool_call"):
-        for _ in range(20):
-            auto.stats.observe("seed", phase + "+run", 2, 0)
-            auto.stats.observe("seed", phase, 2, 0)
+    llm, auto = held_llm("draft_model", 2, {1: 1.0, 2: 10.0, 3: 20.0})
+    seed_every_phase(auto, accepted=0)
     joined, join = [], auto.join_zero_hold
     auto.join_zero_hold = lambda *a: joined.append(join(*a)) or joined[-1]
     out = llm.generate(ids, GREEDY)
@@ -721,14 +730,8 @@ def test_dspark_held_at_its_deepest_depth_keeps_its_hold_as_requests_come_and_go
     # well: the batch's hold at the deepest depth survives requests finishing, and requests that
     # come in join it (`SpecDecoder.choose_ahead`) with no `choose`, tokens unchanged.
     ids, ref = demo_prompts
-    llm = LLM(str(DEMO), speculative_config={"method": "dspark", "num_speculative_tokens": 2, **AUTO},
-              **{**COMMON, "async_scheduling": True, "max_num_seqs": 3})
-    auto = llm.engine.spec.auto
-    auto.cost = hand_cost({b: {1: 1.0, 2: 1.01, 3: 1.02} for b in auto.cost.buckets})
-    for phase in ("reasoning", "content", "tool_call"):
-        for _ in range(40):
-            auto.stats.observe("seed", phase + "+run", 2, 2)
-            auto.stats.observe("seed", phase, 2, 2)
+    llm, auto = held_llm("dspark", 3, {1: 1.0, 2: 1.01, 3: 1.02})
+    seed_every_phase(auto, accepted=2, times=40)
     joined, join = [], auto.join_batch_hold
     auto.join_batch_hold = lambda *a: joined.append(join(*a)) or joined[-1]
     out = llm.generate(ids * 3, GREEDY)  # enough requests for the batch to change under a hold
@@ -773,10 +776,7 @@ def test_a_draft_models_catch_up_is_learned_as_part_of_what_drafting_costs(demo_
     auto = llm.engine.spec.auto
     buckets = auto.cost.buckets
     auto.cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0} for b in buckets})  # drafting never pays: prompts skipped
-    for phase in ("reasoning", "content", "tool_call"):
-        for _ in range(20):
-            auto.stats.observe("seed", phase + "+run", 2, 0)
-            auto.stats.observe("seed", phase, 2, 0)
+    seed_every_phase(auto, accepted=0)
     llm.engine.add_request("r", ids[0], GREEDY)
     tokens: list[int] = []
     for _ in range(4):  # the prompt and a few plain steps: the draft model has seen nothing
