@@ -552,16 +552,22 @@ def test_a_batch_held_at_its_deepest_depth_keeps_its_hold_as_requests_come_and_g
     rest = [rid for rid in ids if rid != "r3"]
     assert auto.deepest_held() == rest and auto.repeat(rest) == [4] * 7
     left = auto._hold
-    assert auto.join_batch_hold([*rest, "n1"], ["n1"], ["reasoning"], [99]) == [4] * 8
+    assert auto.join_batch_hold([*rest, "n1"], ["n1"], ["reasoning"] * 8, [99]) == [4] * 8
     assert auto._hold == left - 1 and auto.repeat([*rest, "n1"]) == [4] * 8
     assert auto._pending["n1"].key == "reasoning" + RUN  # its verify is recorded under its context
     batch = [*rest, "n1"]
     # A room below what the hold's steps take: not joined, nothing changed.
-    assert auto.join_batch_hold([*batch, "n2"], ["n2"], ["reasoning"], [4]) is None
+    assert auto.join_batch_hold([*batch, "n2"], ["n2"], ["reasoning"] * 9, [4]) is None
     assert auto.deepest_held() == batch
+    # A held request that switched phase is held on in its new phase (its verifies recorded there).
+    assert auto.join_batch_hold([*batch, "n3"], ["n3"], ["content"] + ["reasoning"] * 8, [99]) == [4] * 9
+    assert auto._hold_of[1][0] == "content" and auto.repeat([*batch, "n3"]) == [4] * 9
+    assert auto._pending["r0"].key.startswith("content")
+    batch = [*batch, "n3"]
     # Six newcomers in a phase that drafts badly: with them the batch would not draft 4.
     newcomers = [f"c{i}" for i in range(6)]
-    assert auto.join_batch_hold([*batch, *newcomers], newcomers, ["content"] * 6, [99] * 6) is None
+    phases = ["content"] + ["reasoning"] * 8 + ["content"] * 6
+    assert auto.join_batch_hold([*batch, *newcomers], newcomers, phases, [99] * 6) is None
     assert auto.deepest_held() == batch and not searches and not chosen
 
 

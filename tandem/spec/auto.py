@@ -466,12 +466,12 @@ class AutoK:
     def join_batch_hold(self, ids: Sequence[str], new: Sequence[str], phases: Sequence[str],
                         limits: Sequence[int]) -> list[int] | None:
         """A padded batch's hold at the deepest depth goes on for `ids`: the requests it holds
-        (those still running) and `new` ones (in `phases`, with rooms `limits`), when each new
-        room takes the depth for the steps left (else fewer are left) and the batch's phases
-        and contexts weigh in for that depth (`_phase_ks`, the rule a changed batch follows
-        between searches). At the deepest depth no request probes deeper, so nothing falls due.
-        Returns the held ks, one step of the hold taken, for `ids` (in order) from now on; None,
-        changing nothing: the caller chooses.
+        (those still running) and `new` ones (with rooms `limits`), when each new room takes the
+        depth for the steps left (else fewer are left) and the batch's phases (`phases`, of every
+        request in `ids`: held ones may have switched) and contexts weigh in for that depth
+        (`_phase_ks`, the rule a changed batch follows between searches). At the deepest depth no
+        request probes deeper, so nothing falls due. Returns the held ks, one step of the hold
+        taken, for `ids` (in order) from now on; None, changing nothing: the caller chooses.
 
         Why: DSpark at 8-16 requests drafts its deepest depth nearly every step, and the batch
         changes nearly every step; each change ended the hold, and the `choose` that followed
@@ -483,24 +483,21 @@ class AutoK:
             return None
         top = self._allowed[-1]
         left = min(self._hold, *((limit - top) // (top + 1) for limit in limits))
-        added = dict(zip(new, phases))
-        held = dict(zip(held_ids, zip(self._hold_of[1], (key for _, key in self._held))))
-        if (left <= 0 or len(added) != len(new) or any(rid in held for rid in added)
-                or any(rid not in held and rid not in added for rid in ids)):
+        held, added = set(held_ids), set(new)
+        if left <= 0 or len(added) != len(new) or held & added or any(rid not in held and rid not in added for rid in ids):
             return None
-        order = [held[rid] if rid in held else (added[rid], added[rid] + RUN) for rid in ids]
-        keys = [phase + (RUN if self._in_run.get(rid, True) else "") for rid, (phase, _) in zip(ids, order)]
+        keys = [phase + (RUN if self._in_run.get(rid, True) else "") for rid, phase in zip(ids, phases)]
         if self._phase_ks(keys, [top] * len(ids), top) != [top] * len(ids):
             return None
-        for rid, phase in added.items():
-            self._previous.setdefault(rid, {})
-            self._same_steps.setdefault(rid, {})
-            self._pending[rid] = _Pending(phase, phase + RUN, self._prior(phase + RUN))
-        self._hold_of = (list(ids), [phase for phase, _ in order])
-        self._held = [(rid, key) for rid, (_, key) in zip(ids, order)]
+        for rid, phase, key in zip(ids, phases, keys):
+            if rid in added:
+                self._previous.setdefault(rid, {})
+                self._same_steps.setdefault(rid, {})
+                self._pending[rid] = _Pending(phase, key, self._prior(key))
+        self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
         self._held_ks, self._held_due, self._hold = [top] * len(ids), [math.inf] * len(ids), left
         if self._batch is not None:  # the search the hold came from stands for this batch now
-            self._batch = (tuple(ids), tuple(self._hold_of[1]), _run_mix(keys), [top] * len(ids), self._batch[4])
+            self._batch = (tuple(ids), tuple(phases), _run_mix(keys), [top] * len(ids), self._batch[4])
         self._repeat_batch()  # at the deepest depth no probe falls due: it takes the step
         self._take_held_step()
         return list(self._held_ks)
