@@ -43,8 +43,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.spec.goodput import (HYSTERESIS, PHASE_DECAY, AcceptanceStats, StepCost, choose_ks, expected_accepted,
-                                 expected_curve)
+from tandem.spec.goodput import (HYSTERESIS, PHASE_DECAY, AcceptanceStats, StepCost, choose_ks, depth_floors,
+                                 expected_accepted, expected_curve)
 
 logger = logging.getLogger("tandem")
 
@@ -63,6 +63,13 @@ CONFIDENCE_WEIGHT = 8.0  # pseudo-observations of the raw confidence in each bin
 
 
 _NOTHING: dict = {}  # a default for lookups of requests not seen yet (never written)
+
+
+def _held_and_new(ids: Sequence[str], held: Sequence[str], new: Sequence[str]) -> bool:
+    """Whether `ids` are exactly the `held` requests and the `new` ones, each once: what a
+    request joining a hold needs (the held ones all still running, the new ones not held)."""
+    together = {*held, *new}
+    return len(ids) == len(held) + len(new) == len(together) and all(rid in together for rid in ids)
 
 
 def _run_mix(keys: Sequence[str]) -> int:
@@ -178,7 +185,7 @@ class AutoK:
         self._batch_refresh = REFRESH_STEPS
         self._allowed = sorted({0, *self.depths})  # the depths a uniform batch may take
         # The largest allowed depth <= k, for k = 0 .. the deepest (a uniform depth within a room).
-        self._fit = [max(d for d in self._allowed if d <= k) for k in range(self._allowed[-1] + 1)]
+        self._fit = depth_floors(tuple(self._allowed))
         self._curves: dict[str, tuple[int, list[float]]] = {}  # key -> (its prior's step, E curve)
         self._uniform_costs: dict[int, tuple[int, list[float]]] = {}  # see _phase_ks
         # The next captured depth above each K (None above the deepest): what a probe tries.
@@ -368,13 +375,13 @@ class AutoK:
                 continue
             capped, curve = True, self._curve(key)
             for j, d in enumerate(allowed):
-                gains[j] += curve[fit[min(d, max(limit, 0))]]
+                gains[j] += curve[fit[min(d, limit)]]
         for key, count in counts.items():
             curve = self._curve(key)
             for j, d in enumerate(allowed):
                 gains[j] += count * curve[d]
         if capped:  # the step's depth and its drafting requests depend on the rooms
-            costs = [self.cost.seconds([fit[min(d, max(limit, 0))] for limit in limits]) for d in allowed]
+            costs = [self.cost.seconds([fit[min(d, limit)] for limit in limits]) for d in allowed]
         else:
             hit = self._uniform_costs.get(n)
             if hit is None or self._step - hit[0] >= REFRESH_STEPS:  # the residuals move as slowly as the rates
@@ -384,7 +391,7 @@ class AutoK:
         best = max(range(len(allowed)), key=goodput.__getitem__)
         at_last = goodput[allowed.index(fit[min(last, top)])]
         depth = allowed[best] if goodput[best] > at_last * (1 + self._hysteresis([last] * n)) else last
-        return [fit[min(depth, max(limit, 0))] for limit in limits]
+        return [fit[min(depth, limit)] for limit in limits]
 
     def _curve(self, key: str) -> list[float]:
         """E(0) .. E(deepest) of a context at its prior (`_prior`), kept as long as the prior is."""
@@ -434,12 +441,10 @@ class AutoK:
         (the batch's phases, their step costs, its probes) took ~0.2 ms of host time on the H100
         box's Xeon: with a new request every few steps at 8 requests, 4-5% of a run at K = 0
         (session 21). A request leaving a hold keeps it for the others (`remove`)."""
-        if self._hold <= 0 or self._hold_kind != "zero" or len(ids) != len(self._hold_of[0]) + len(new):
+        if self._hold <= 0 or self._hold_kind != "zero" or not _held_and_new(ids, self._hold_of[0], new):
             return False
         held = dict(zip(self._hold_of[0], zip(self._hold_of[1], (key for _, key in self._held))))
         added = dict(zip(new, phases))
-        if len(added) != len(new) or any(rid in held for rid in added) or any(rid not in held and rid not in added for rid in ids):
-            return False
         if any(self.drafts_now(phase, len(ids)) for phase in set(phases)):
             return False
         left = self._hold
@@ -479,13 +484,13 @@ class AutoK:
         cost the host over K=7 (session 22). A request leaving keeps the hold for the others
         (`remove`)."""
         held_ids = self.deepest_held()
-        if held_ids is None or len(ids) != len(held_ids) + len(new) or len(ids) <= MIX_MAX_BATCH:
+        if held_ids is None or len(ids) <= MIX_MAX_BATCH or not _held_and_new(ids, held_ids, new):
             return None
         top = self._allowed[-1]
         left = min(self._hold, *((limit - top) // (top + 1) for limit in limits))
-        held, added = set(held_ids), set(new)
-        if left <= 0 or len(added) != len(new) or held & added or any(rid not in held and rid not in added for rid in ids):
+        if left <= 0:
             return None
+        added = set(new)
         keys = [phase + (RUN if self._in_run.get(rid, True) else "") for rid, phase in zip(ids, phases)]
         if self._phase_ks(keys, [top] * len(ids), top) != [top] * len(ids):
             return None
@@ -738,7 +743,7 @@ class AutoK:
     def remove(self, request_id: str) -> None:
         if self._batch is not None and self._batch[0] is not None and request_id in self._batch[0]:
             # A later request may reuse the id: the batch is no longer held or re-found by ids,
-            # only given to a batch in the same phases (`_batch_choice`).
+            # only weighed per phase for a changed batch (`_batch_choice`).
             self._batch = (None, *self._batch[1:])
         if self._hold and request_id in self._hold_of[0]:
             left, kind = self._hold, self._hold_kind
@@ -748,7 +753,7 @@ class AutoK:
             for held in (self._hold_of[0], self._hold_of[1], self._held, self._held_ks,
                          *((self._held_due,) if kind == "batch" else ())):
                 del held[i]
-            self._hold, self._hold_kind = (left if self._held else 0), kind
+            self._hold = left if self._held else 0
         self.stats.remove(request_id)
         self._choice.pop(request_id, None)
         self._previous.pop(request_id, None)

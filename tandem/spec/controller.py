@@ -316,8 +316,13 @@ class SpecDecoder:
             return held  # recorded anew: the last record was a synchronous draft's, cut by confidence
         tracked = [self._track(r) for r in requests]
         phases = [t.tracker.phase for t in tracked]
-        rooms = [max(0, self.room(r) - 1 - k) for r, k in zip(requests, in_flight)]
+        rooms = [self._room_ahead(r, k) for r, k in zip(requests, in_flight)]
         return self._choose(ids, requests, phases, rooms)
+
+    def _room_ahead(self, req: Request, in_flight: int) -> int:
+        """The request's room for the step after the one in flight, which may add up to
+        in_flight + 1 of its tokens."""
+        return max(0, self.room(req) - 1 - in_flight)
 
     def _join_hold(self, ids: list[str], requests: Sequence[Request], in_flight: Sequence[int]) -> list[int] | None:
         """auto: the held ks for a batch of the requests a hold stands for and new ones that
@@ -337,7 +342,7 @@ class SpecDecoder:
             return [0] * len(ids) if self.auto.join_zero_hold(ids, new_ids, phases) else None
         # every request's phase: a held one may have switched (commit_ahead tracks them all next)
         phases = [self._track(r).tracker.phase for r in requests]
-        rooms = [max(0, self.room(r) - 1 - in_flight[i]) for i, r in new]
+        rooms = [self._room_ahead(r, in_flight[i]) for i, r in new]
         return self.auto.join_batch_hold(ids, new_ids, phases, rooms)
 
     def held_ks(self, requests: Sequence[Request]) -> list[int]:

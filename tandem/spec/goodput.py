@@ -386,7 +386,7 @@ def goodput(rates: Sequence[Sequence[float]], ks: Sequence[int], cost: StepCost)
 
 
 @functools.cache
-def _floors(allowed: tuple[int, ...]) -> tuple[int, ...]:
+def depth_floors(allowed: tuple[int, ...]) -> tuple[int, ...]:
     """For k = 0 .. the deepest allowed depth, the largest allowed depth <= k."""
     return tuple(max(d for d in allowed if d <= k) for k in range(allowed[-1] + 1))
 
@@ -420,7 +420,7 @@ def choose_ks(
         return tokens / cost.seconds(ks, drafted, include_draft=not spent)
 
     top = allowed[-1]
-    floor = _floors(tuple(allowed))
+    floor = depth_floors(tuple(allowed))
 
     def fit(k: int, cap: int) -> int:  # the largest allowed depth <= min(k, cap)
         return floor[min(k, cap, top)]
