@@ -15,11 +15,10 @@ from tandem.spec.goodput import hand_cost
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_spec_drafters import COMMON, DEMO, GREEDY, QUESTIONS  # noqa: E402
-from test_spec_auto import tiny_dir  # noqa: E402, F401 - the fixture
+from test_spec_auto import seed_every_phase, tiny_dir  # noqa: E402, F401 - tiny_dir: the fixture
 from test_spec_engine import NGRAM, THINK, counter, repetitive  # noqa: E402
 
 AUTO = {"adaptive": "auto"}
-PHASES = ("reasoning", "content", "tool_call")
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +37,7 @@ def never_pays(auto) -> None:
     accepted (no probe for want of evidence)."""
     auto.cost = hand_cost({b: {1: 1.0, 2: 10.0, 3: 20.0, 4: 30.0} for b in auto.cost.buckets},
                           plain_overlaps=auto.cost.plain_overlaps)
-    for phase in PHASES:
-        for _ in range(20):
-            auto.stats.observe("seed", phase + "+run", 2, 0)
-            auto.stats.observe("seed", phase, 2, 0)
+    seed_every_phase(auto, accepted=0)
 
 
 def pays(auto) -> None:
