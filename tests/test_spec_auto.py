@@ -375,7 +375,7 @@ def test_a_changed_batch_takes_the_depth_a_search_on_its_phases_finds():
     for reasoning in [*range(8, -1, -1), *range(1, 9)]:
         phases = ["reasoning"] * reasoning + ["content"] * (8 - reasoning)
         auto._batch = (None, (), -1, [last] * 8, auto._step)  # a search just made, for other requests
-        keys = [p + (RUN if auto._in_run.get(r, True) else "") for r, p in zip(ids, phases)]
+        keys = [p + (RUN if auto.visits.in_run.get(r, True) else "") for r, p in zip(ids, phases)]
         # every other mix with two requests near their ends: their depth is cut to their room
         limits = [99] * 8 if reasoning % 2 else [2, 99, 99, 99, 99, 99, 99, 0]
         got = auto._batch_choice(ids, phases, keys, limits)
@@ -541,9 +541,9 @@ def test_a_batch_held_at_its_deepest_depth_keeps_its_hold_as_requests_come_and_g
         ks = auto.repeat(ids) if step >= 100 else None
         for rid, phase, k in zip(ids, phases, ks or auto.choose(ids, phases, [99] * 8)):
             auto.observe(rid, k, verify(rng, truth[phase], k) if k else 0)
-        if step >= 100 and auto.deepest_held() == ids and auto._hold > 4:
+        if step >= 100 and auto.deepest_held() == ids and auto.hold.left > 4:
             break
-    assert auto.deepest_held() == ids, (auto._hold, auto._hold_kind, auto._held_ks)
+    assert auto.deepest_held() == ids, (auto.hold.left, auto.hold.kind, auto.hold.ks)
     searches.clear()
     choose = auto.choose
     chosen: list[int] = []
@@ -551,18 +551,18 @@ def test_a_batch_held_at_its_deepest_depth_keeps_its_hold_as_requests_come_and_g
     auto.remove("r3")
     rest = [rid for rid in ids if rid != "r3"]
     assert auto.deepest_held() == rest and auto.repeat(rest) == [4] * 7
-    left = auto._hold
+    left = auto.hold.left
     assert auto.join_batch_hold([*rest, "n1"], ["n1"], ["reasoning"] * 8, [99]) == [4] * 8
-    assert auto._hold == left - 1 and auto.repeat([*rest, "n1"]) == [4] * 8
-    assert auto._pending["n1"].key == "reasoning" + RUN  # its verify is recorded under its context
+    assert auto.hold.left == left - 1 and auto.repeat([*rest, "n1"]) == [4] * 8
+    assert auto.visits.pending["n1"].key == "reasoning" + RUN  # its verify is recorded under its context
     batch = [*rest, "n1"]
     # A room below what the hold's steps take: not joined, nothing changed.
     assert auto.join_batch_hold([*batch, "n2"], ["n2"], ["reasoning"] * 9, [4]) is None
     assert auto.deepest_held() == batch
     # A held request that switched phase is held on in its new phase (its verifies recorded there).
     assert auto.join_batch_hold([*batch, "n3"], ["n3"], ["content"] + ["reasoning"] * 8, [99]) == [4] * 9
-    assert auto._hold_of[1][0] == "content" and auto.repeat([*batch, "n3"]) == [4] * 9
-    assert auto._pending["r0"].key.startswith("content")
+    assert auto.hold.phases[0] == "content" and auto.repeat([*batch, "n3"]) == [4] * 9
+    assert auto.visits.pending["r0"].key.startswith("content")
     batch = [*batch, "n3"]
     # Six newcomers in a phase that drafts badly: with them the batch would not draft 4.
     newcomers = [f"c{i}" for i in range(6)]
@@ -587,7 +587,7 @@ def test_a_batch_held_at_k0_keeps_its_hold_as_requests_come_and_go(monkeypatch):
             for rid, k in zip(ids, auto.choose(ids, ["reasoning"] * 8, [99] * 8)):
                 if k:
                     auto.observe(rid, k, 0)
-        if auto.zero_held() == ids and auto._hold > 8:
+        if auto.zero_held() == ids and auto.hold.left > 8:
             break
     assert auto.zero_held() == ids
     searches.clear()
@@ -609,10 +609,10 @@ def test_a_batch_held_at_k0_keeps_its_hold_as_requests_come_and_go(monkeypatch):
     assert not auto.join_zero_hold([*batch, "n4"], ["n4"], ["reasoning"]) and auto.zero_held() == before
     # Held steps counted for the requests held: the next choice's same-K counts include them.
     monkeypatch.setattr(auto, "drafts_now", auto_module.AutoK.drafts_now.__get__(auto))
-    same_before = auto._same_steps["r0"]["reasoning" + RUN]
+    same_before = auto.visits.same_steps["r0"]["reasoning" + RUN]
     auto.repeat(batch)
-    auto._apply_held()
-    assert auto._same_steps["r0"]["reasoning" + RUN] > same_before
+    auto.hold.settle(auto.visits)
+    assert auto.visits.same_steps["r0"]["reasoning" + RUN] > same_before
 
 
 def test_a_costly_catch_up_spaces_the_probes_out_of_k0():

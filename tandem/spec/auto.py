@@ -43,8 +43,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tandem.spec.goodput import (HYSTERESIS, PHASE_DECAY, AcceptanceStats, StepCost, choose_ks, depth_floors,
+from tandem.spec.calibration import ConfidenceCalibration
+from tandem.spec.goodput import (HYSTERESIS, AcceptanceStats, StepCost, choose_ks, depth_floors,
                                  expected_accepted, expected_curve)
+from tandem.spec.hold import NOTHING, RUN, Hold, Pending, Visits
 
 logger = logging.getLogger("tandem")
 
@@ -53,16 +55,10 @@ PROBE_BUDGET = 0.01  # the share of step time probes may cost
 CATCH_UP_SMOOTHING = 0.3
 REFINE_MIN_GAIN = 0.05  # a confidence cut is tried when one verify token less saves this share
 MIN_EVIDENCE = 8.0  # verifies of a phase that tried a position before K may stop short of it
-RUN = "+run"  # the statistics' key suffix of a request whose last draft was accepted whole
 REFRESH_STEPS = 8  # steps a request's choice in a context is reused before the batch is searched again
 ZERO_HOLD_MAX = 64  # the longest an all-zero choice re-found for the same batch is held (see _zero_hold)
 HOLD_MAX = 32  # the longest a choice that searches keep re-finding stands (see _search_batch)
 MIX_MAX_BATCH = 2  # the largest batch whose padded choice is kept per mix of contexts (see _run_mix)
-CONFIDENCE_BINS = 10
-CONFIDENCE_WEIGHT = 8.0  # pseudo-observations of the raw confidence in each bin's calibration
-
-
-_NOTHING: dict = {}  # a default for lookups of requests not seen yet (never written)
 
 
 def _held_and_new(ids: Sequence[str], held: Sequence[str], new: Sequence[str]) -> bool:
@@ -79,51 +75,6 @@ def _run_mix(keys: Sequence[str]) -> int:
     if len(keys) > MIX_MAX_BATCH:
         return -1
     return sum(1 for key in keys if key.endswith(RUN))
-
-
-class ConfidenceCalibration:
-    """P(accepted | the drafter's confidence c), per phase: decayed accept / try counts in
-    `CONFIDENCE_BINS` bins of c, shrunk towards c itself (an uncalibrated head is taken at its
-    word until verifies say otherwise)."""
-
-    def __init__(self, decay: float = PHASE_DECAY, weight: float = CONFIDENCE_WEIGHT) -> None:
-        self.decay = decay
-        self.weight = weight
-        self._counts: dict[str, list[list[float]]] = {}  # phase -> [bin] -> [accepted, tried]
-
-    @staticmethod
-    def _bin(c: float) -> int:
-        return min(max(int(c * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
-
-    def rate(self, phase: str, c: float) -> float:
-        counts = self._counts.get(phase)
-        if counts is None:
-            return c
-        accepted, tried = counts[self._bin(c)]
-        return (accepted + self.weight * c) / (tried + self.weight)
-
-    def observe(self, phase: str, confidence: Sequence[float], num_accepted: int) -> None:
-        """A verify of len(confidence) drafts accepted the first num_accepted: positions up to the
-        first rejection were tried."""
-        counts = self._counts.setdefault(phase, [[0.0, 0.0] for _ in range(CONFIDENCE_BINS)])
-        for cell in counts:
-            cell[0] *= self.decay
-            cell[1] *= self.decay
-        for i, c in enumerate(confidence[: num_accepted + 1]):
-            cell = counts[self._bin(c)]
-            cell[1] += 1.0
-            if i < num_accepted:
-                cell[0] += 1.0
-
-
-@dataclass(slots=True)
-class _Pending:
-    """What a request's current draft was chosen on (one made per request and step: slots)."""
-
-    phase: str
-    key: str  # the statistics' key: the phase and the context (see `AutoK.choose`)
-    rates: list[float]  # a_1 .. a_Kmax the choice used (calibrated confidence where refined)
-    confidence: list[float] | None = None
 
 
 @dataclass
@@ -143,13 +94,8 @@ class AutoK:
         self.cost = cost
         self.stats = AcceptanceStats(max_k)
         self.calibration = ConfidenceCalibration()
-        # Per request and statistics key (phase and context): the K chosen there last (what
-        # hysteresis compares with) and how many visits in a row chose it (probes count them).
-        self._previous: dict[str, dict[str, int]] = {}
-        self._same_steps: dict[str, dict[str, int]] = {}
-        self._in_run: dict[str, bool] = {}  # whether the request's last verify accepted its whole draft
+        self.visits = Visits()  # per request and statistics key: its K, steps at it, its draft's choice
         self.catch_up = 0.0  # learned: the extra seconds of a step whose drafter caught up (observe_catch_up)
-        self._pending: dict[str, _Pending] = {}
         self._step = 0
         self._can_cut: dict[tuple[int, int, int], tuple[int, bool]] = {}  # see cut_can_pay
         self._priors: dict[str, tuple[int, list[float]]] = {}  # see _prior
@@ -157,20 +103,12 @@ class AutoK:
         # id -> key -> (K, rates, step, steps it stands) of the last search that saw the request
         # in that context
         self._choice: dict[str, dict[str, tuple[int, list[float], int, int]]] = {}
-        # A choice repeats unchanged for `_hold` more steps of the same requests (`repeat`): an
-        # all-zero one ("zero"), or a padded batch's choice ("batch"), while no probe or search
-        # falls due. An all-zero hold's steps are added to its requests' same-K counts at the
-        # next `choose`; a batch's hold keeps them step by step (`_repeat_batch`).
-        self._hold = 0
-        self._hold_kind = "zero"
-        self._hold_of: tuple[list[str], list[str]] = ([], [])  # (ids, phases)
-        self._held: list[tuple[str, str]] = []  # (id, key) of the requests held
-        self._held_ks: list[int] = []
-        self._held_due: list[float] = []  # a batch hold: each request's same-K steps at which it probes
+        # A choice repeats unchanged for more steps of the same requests (`repeat`): an all-zero
+        # one, or a padded batch's choice, while no probe or search falls due.
+        self.hold = Hold()
         # What the last `choose` drafted for, until `repeat` works out whether it holds (`_batch_hold`):
         # (ids, phases, keys, ks, ks before probes, limits).
         self._to_hold: tuple[list[str], list[str], list[str], list[int], list[int], list[int]] | None = None
-        self._held_steps = 0
         # Steps an all-zero choice may stand from the search that made it: REFRESH_STEPS, doubled
         # (up to ZERO_HOLD_MAX) each time a search finds all zero again, back to REFRESH_STEPS once
         # a search drafts. Not per batch: requests come and go (at 16, one every few steps), each
@@ -199,7 +137,8 @@ class AutoK:
         # accepted its whole draft (predictable text comes in runs: on the demo pair's DSpark
         # traces the first draft token is accepted 83% of the time after a full accept, 65% after
         # a rejection).
-        keys = [phase + (RUN if self._in_run.get(rid, True) else "") for rid, phase in zip(ids, phases)]
+        visits = self.visits
+        keys = [visits.key(rid, phase) for rid, phase in zip(ids, phases)]
         # Each request takes the choice last searched for it in its context while that search is
         # less than REFRESH_STEPS steps old: the estimates move by a few percent in that time,
         # and the search is most of the controller's host time per step (which a small GPU step
@@ -208,8 +147,8 @@ class AutoK:
         # batch whose requests switch context in step (all probing, then all after a rejection)
         # would otherwise search on one context's steps only and keep the other's first choice.
         self._step += 1
-        self._apply_held()
-        cached = [self._choice.get(rid, _NOTHING).get(key) for rid, key in zip(ids, keys)]
+        self.hold.settle(visits)
+        cached = [self._choice.get(rid, NOTHING).get(key) for rid, key in zip(ids, keys)]
         if all(c is not None and c[0] <= limit and self._step - c[2] < c[3]
                for c, limit in zip(cached, limits)):
             ks, rates = [c[0] for c in cached], [c[1] for c in cached]
@@ -230,7 +169,7 @@ class AutoK:
         else:
             priors = {key: self.stats.phase_rates(key) for key in set(keys)}  # once per key
             rates = [self.stats.rates(rid, key, priors[key]) for rid, key in zip(ids, keys)]
-            previous = [self._previous.get(rid, _NOTHING).get(key, 0) for rid, key in zip(ids, keys)]
+            previous = [visits.previous.get(rid, NOTHING).get(key, 0) for rid, key in zip(ids, keys)]
             ks = choose_ks(rates, self.depths, self.cost, previous, limits, self._hysteresis(previous))
             if any(ks):
                 self._zero_refresh = REFRESH_STEPS
@@ -257,11 +196,7 @@ class AutoK:
         symmetric = self.cost.uniform_is_optimal
         for i, (rid, k) in enumerate(zip(ids, ks)):
             key = keys[i]
-            prev = self._previous.get(rid)
-            if prev is None:  # (get, not setdefault: no dict built per request per step)
-                prev = self._previous[rid] = {}
-                self._same_steps[rid] = {}
-            counts = self._same_steps[rid]
+            prev, counts = visits.of(rid)
             same = counts.get(key, 0) + 1 if k == prev.get(key) else 1
             deeper = self._deeper[k]
             if deeper is not None and deeper <= limits[i]:
@@ -275,14 +210,14 @@ class AutoK:
             counts[key] = same
             prev[key] = k  # the choice, not the probe: hysteresis compares with it
             if ks[i] == 0:  # no draft: the next step's context is no longer "after a rejection"
-                self._in_run[rid] = True
-            self._pending[rid] = _Pending(phases[i], key, rates[i])
+                visits.in_run[rid] = True
+            visits.pending[rid] = Pending(phases[i], key, rates[i])
         # A batch's hold is worked out by the first `repeat` that asks (a synchronous step never does).
-        self._hold, self._to_hold = 0, (list(ids), list(phases), keys, list(ks), unprobed, list(limits)) if any(ks) else None
+        self._to_hold = (list(ids), list(phases), keys, list(ks), unprobed, list(limits)) if any(ks) else None
         if not any(ks) and (hold := self._zero_hold(ids, keys, limits, idle, searched)):
             if searched[0] == self._step:  # all zero again, from a search just made (see _zero_refresh)
                 self._zero_refresh = min(2 * self._zero_refresh, ZERO_HOLD_MAX)
-            self._set_hold("zero", hold, ids, phases, keys, ks)
+            self.hold.set("zero", hold, ids, phases, keys, ks)
         return ks
 
     def _prior(self, key: str) -> list[float]:
@@ -294,11 +229,6 @@ class AutoK:
         if hit is None or self._step - hit[0] >= REFRESH_STEPS:
             hit = self._priors[key] = (self._step, self.stats.phase_rates(key))
         return hit[1]
-
-    def _set_hold(self, kind: str, hold: int, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str],
-                  ks: Sequence[int]) -> None:
-        self._hold, self._hold_kind, self._held_ks = hold, kind, list(ks)
-        self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
 
     def _hysteresis(self, previous: Sequence[int]) -> float:
         """The gain a search must find to replace `previous`: HYSTERESIS, and out of all-zero with a
@@ -410,23 +340,26 @@ class AutoK:
         `choose_ahead` took 98 us a step where K=7's took 20, session 17). A phase switch during
         the hold is seen when it ends, within ZERO_HOLD_MAX (all zero) or HOLD_MAX (a batch's)
         steps: K changes speed only, never the tokens. Under a batch's hold each request's verify
-        is still recorded under its current context (`_Pending.key`), kept up to date here."""
+        is still recorded under its current context (`Pending.key`), kept up to date here."""
+        hold = self.hold
         if self._to_hold is not None:  # the last `choose` drafted: may its batch's choice be held?
             chosen_ids, phases, keys, ks, unprobed, limits = self._to_hold
             self._to_hold = None
-            if chosen_ids == list(ids) and (hold := self._batch_hold(chosen_ids, keys, ks, unprobed, limits)):
-                self._set_hold("batch", hold, chosen_ids, phases, keys, ks)
-        if self._hold <= 0 or list(ids) != self._hold_of[0]:
+            if chosen_ids == list(ids):
+                left, due = self._batch_hold(chosen_ids, keys, ks, unprobed, limits)
+                if left:
+                    hold.set("batch", left, chosen_ids, phases, keys, ks, due)
+        if not hold.matches(ids):
             return None
-        if self._hold_kind == "batch" and not self._repeat_batch():
-            self._hold = 0
+        if hold.kind == "batch" and not hold.step_batch(self.visits, self._choice):
+            hold.left = 0
             return None
         self._take_held_step()
-        return list(self._held_ks)
+        return list(hold.ks)
 
     def holds_zero(self, ids: Sequence[str]) -> bool:
         """Whether an all-zero hold with steps left stands for exactly these requests (in order)."""
-        return self._hold > 0 and self._hold_kind == "zero" and list(ids) == self._hold_of[0]
+        return self.hold.kind == "zero" and self.hold.matches(ids)
 
     def join_zero_hold(self, ids: Sequence[str], new: Sequence[str], phases: Sequence[str]) -> bool:
         """An all-zero hold goes on for `ids`: the requests it holds (those still running) and
@@ -441,32 +374,31 @@ class AutoK:
         (the batch's phases, their step costs, its probes) took ~0.2 ms of host time on the H100
         box's Xeon: with a new request every few steps at 8 requests, 4-5% of a run at K = 0
         (session 21). A request leaving a hold keeps it for the others (`remove`)."""
-        if self._hold <= 0 or self._hold_kind != "zero" or not _held_and_new(ids, self._hold_of[0], new):
+        hold = self.hold
+        if not hold.stands("zero") or not _held_and_new(ids, hold.ids, new):
             return False
-        held = dict(zip(self._hold_of[0], zip(self._hold_of[1], (key for _, key in self._held))))
+        held = dict(zip(hold.ids, zip(hold.phases, hold.keys)))
         added = dict(zip(new, phases))
         if any(self.drafts_now(phase, len(ids)) for phase in set(phases)):
             return False
-        left = self._hold
-        self._apply_held()  # the held steps so far go to the requests held so far
+        left = hold.left
+        hold.settle(self.visits)  # the held steps so far go to the requests held so far
         order = [held[rid] if rid in held else (added[rid], added[rid] + RUN) for rid in ids]
-        self._hold_of = (list(ids), [phase for phase, _ in order])
-        self._held = [(rid, key) for rid, (_, key) in zip(ids, order)]
-        self._held_ks = [0] * len(ids)
-        self._hold = left
+        hold.set("zero", left, ids, [phase for phase, _ in order], [key for _, key in order], [0] * len(ids))
         self._take_held_step()
         return True
 
     def zero_held(self) -> list[str] | None:
         """The requests an all-zero hold with steps left stands for (None: no such hold)."""
-        return self._hold_of[0] if self._hold > 0 and self._hold_kind == "zero" else None
+        return self.hold.ids if self.hold.stands("zero") else None
 
     def deepest_held(self) -> list[str] | None:
         """The requests a padded batch's hold at the deepest depth, with steps left, stands for
         (None: no such hold)."""
-        if self._hold <= 0 or self._hold_kind != "batch" or any(k != self._allowed[-1] for k in self._held_ks):
+        hold = self.hold
+        if not hold.stands("batch") or any(k != self._allowed[-1] for k in hold.ks):
             return None
-        return self._hold_of[0]
+        return hold.ids
 
     def join_batch_hold(self, ids: Sequence[str], new: Sequence[str], phases: Sequence[str],
                         limits: Sequence[int]) -> list[int] | None:
@@ -487,82 +419,55 @@ class AutoK:
         if held_ids is None or len(ids) <= MIX_MAX_BATCH or not _held_and_new(ids, held_ids, new):
             return None
         top = self._allowed[-1]
-        left = min(self._hold, *((limit - top) // (top + 1) for limit in limits))
+        hold, visits = self.hold, self.visits
+        left = min(hold.left, *((limit - top) // (top + 1) for limit in limits))
         if left <= 0:
             return None
         added = set(new)
-        keys = [phase + (RUN if self._in_run.get(rid, True) else "") for rid, phase in zip(ids, phases)]
+        keys = [visits.key(rid, phase) for rid, phase in zip(ids, phases)]
         if self._phase_ks(keys, [top] * len(ids), top) != [top] * len(ids):
             return None
         for rid, phase, key in zip(ids, phases, keys):
             if rid in added:
-                self._previous.setdefault(rid, {})
-                self._same_steps.setdefault(rid, {})
-                self._pending[rid] = _Pending(phase, key, self._prior(key))
-        self._hold_of, self._held = (list(ids), list(phases)), list(zip(ids, keys))
-        self._held_ks, self._held_due, self._hold = [top] * len(ids), [math.inf] * len(ids), left
+                visits.of(rid)
+                visits.pending[rid] = Pending(phase, key, self._prior(key))
+        hold.set("batch", left, ids, phases, keys, [top] * len(ids), [math.inf] * len(ids))
         if self._batch is not None:  # the search the hold came from stands for this batch now
             self._batch = (tuple(ids), tuple(phases), _run_mix(keys), [top] * len(ids), self._batch[4])
-        self._repeat_batch()  # at the deepest depth no probe falls due: it takes the step
+        hold.step_batch(visits, self._choice)  # at the deepest depth no probe falls due: it takes the step
         self._take_held_step()
-        return list(self._held_ks)
+        return list(hold.ks)
 
     def repeat_zero(self) -> bool:
         """One more step of an all-zero hold, for the batch it was set for: the caller vouches that
         the batch is unchanged (`SpecDecoder.repeat_zero`: the scheduler's running set is), so
         nothing is compared. False, changing nothing, when no all-zero hold stands (it ran out, a
         request left, or a choice replaced it)."""
-        if self._hold <= 0 or self._hold_kind != "zero":
+        if not self.hold.stands("zero"):
             return False
         self._take_held_step()
         return True
 
     def _take_held_step(self) -> None:
-        """A step of the hold: counted as chosen (an all-zero hold's steps are added to its
-        requests' same-K counts at the next `choose`, `_apply_held`)."""
-        self._hold -= 1
+        """A step of the hold, counted as chosen."""
+        self.hold.take()
         self._step += 1
-        if self._hold_kind == "zero":
-            self._held_steps += 1
-
-    def _repeat_batch(self) -> bool:
-        """A held batch's step, with the bookkeeping `choose`'s per-request loop does: each
-        request's context this step, its steps at its K in that context, its choice there, and
-        the context its verify will be recorded under (`_Pending.key`). False, changing nothing,
-        when a request's probe falls due this step (the caller chooses)."""
-        steps = []
-        for (rid, _), phase, k, due in zip(self._held, self._hold_of[1], self._held_ks, self._held_due):
-            key = phase + (RUN if self._in_run.get(rid, True) else "")
-            counts, prev = self._same_steps[rid], self._previous[rid]
-            same = counts.get(key, 0) + 1 if prev.get(key) == k else 1
-            if same >= due:
-                return False
-            steps.append((rid, phase, k, key, counts, prev, same))
-        for rid, phase, k, key, counts, prev, same in steps:
-            counts[key] = same
-            prev[key] = k
-            if k == 0:
-                self._in_run[rid] = True
-            pending = self._pending[rid]  # made by the `choose` that set the hold
-            if pending.key != key:
-                searched = self._choice.get(rid, _NOTHING).get(key)
-                self._pending[rid] = _Pending(phase, key, searched[1] if searched is not None else pending.rates)
-        return True
 
     def _batch_hold(self, ids: Sequence[str], keys: Sequence[str], ks: Sequence[int], unprobed: Sequence[int],
-                    limits: Sequence[int]) -> int:
-        """Steps a padded batch's choice would repeat unchanged (0: none): it was the batch's
+                    limits: Sequence[int]) -> tuple[int, list[float]]:
+        """Steps a padded batch's choice would repeat unchanged (0: none), and each request's
+        same-K steps at which its probe falls due: it was the batch's
         choice (`_batch`), re-found by a search at least once, and no probe changed it this step.
         It stands until the batch's own refresh falls due or a request's room could fall below
         its K (a step takes up to K + 1 of its tokens); a request's probe one captured depth
-        deeper ends it on the step it falls due (`_held_due`, checked by `_repeat_batch`). Not
+        deeper ends it on the step it falls due (`Hold.due`, checked by `Hold.step_batch`). Not
         held: batches of one or two requests, whose choice follows their contexts (`_run_mix`),
         and a request whose phase has too little evidence for K + 1 in either context (it probes
         every step)."""
         batch = self._batch
         if (len(ids) <= MIX_MAX_BATCH or batch is None or batch[0] != tuple(ids) or list(ks) != list(unprobed)
                 or self._batch_refresh <= REFRESH_STEPS):  # not re-found yet: the choice may still move
-            return 0
+            return 0, []
         hold = self._batch_refresh - (self._step - batch[4]) - 1
         intervals: dict[tuple[int, int], float] = {}  # `_interval`'s memo (a padded cost: symmetric)
         evidence: dict[tuple[str, int], float] = {}  # (key, K) -> phase_tries, once each
@@ -570,7 +475,7 @@ class AutoK:
         for i, (key, k, limit) in enumerate(zip(keys, ks, limits)):
             hold = min(hold, (limit - k) // (k + 1))
             if hold <= 0:
-                return 0
+                return 0, []
             deeper = self._deeper[k]
             if deeper is None or deeper > limit:
                 due.append(math.inf)
@@ -581,20 +486,10 @@ class AutoK:
                 if tries is None:
                     tries = evidence[(context, k)] = self.stats.phase_tries(context, k + 1)
                 if tries < MIN_EVIDENCE:
-                    return 0
+                    return 0, []
             idle = max(1, list(ks).count(0)) if k == 0 else 1  # as `choose` spaces probes out of K = 0
             due.append(max(PROBE_EVERY, idle * self._interval(ks, i, deeper, intervals)))
-        self._held_due = due
-        return max(hold, 0)
-
-    def _apply_held(self) -> None:
-        if self._held_steps:
-            for rid, key in self._held:
-                counts = self._same_steps.get(rid)
-                if counts is not None and key in counts:
-                    counts[key] += self._held_steps
-            self._held_steps = 0
-        self._hold = 0
+        return max(hold, 0), due
 
     def _zero_hold(self, ids: Sequence[str], keys: Sequence[str], limits: Sequence[int], idle: int,
                    searched: Sequence[int]) -> int:
@@ -620,7 +515,7 @@ class AutoK:
                 return 0
             if deeper not in intervals:
                 intervals[deeper] = max(PROBE_EVERY, idle * self._probe_interval([0] * len(ids), 0, deeper))
-            hold = min(hold, math.ceil(intervals[deeper] - self._same_steps[rid][key]) - 1)
+            hold = min(hold, math.ceil(intervals[deeper] - self.visits.same_steps[rid][key]) - 1)
             if hold <= 0:
                 return 0
         return max(hold, 0)
@@ -677,7 +572,7 @@ class AutoK:
             return list(drafted)
         rates = []
         for rid, conf in zip(ids, confidences):
-            pending = self._pending[rid]
+            pending = self.visits.pending[rid]
             if conf is not None:
                 pending.confidence = list(conf)
                 calibrated = [self.calibration.rate(pending.phase, c) for c in conf]
@@ -702,27 +597,27 @@ class AutoK:
         self._can_cut[key] = (self._step, full - shorter > REFINE_MIN_GAIN * full)
         return self._can_cut[key][1]
 
-    def pending(self, request_id: str) -> _Pending | None:
+    def pending(self, request_id: str) -> Pending | None:
         """What the request's current draft was chosen on: a step ahead keeps it until it lands,
         when the next step's choice has replaced it (`expected` and `observe` take it back)."""
-        return self._pending.get(request_id)
+        return self.visits.pending.get(request_id)
 
-    def expected(self, request_id: str, num_draft: int, pending: _Pending | None = None) -> float:
+    def expected(self, request_id: str, num_draft: int, pending: Pending | None = None) -> float:
         """The expected accepted tokens of the request's current draft (or of the one `pending`
         was chosen for) cut to num_draft."""
-        pending = pending or self._pending.get(request_id)
+        pending = pending or self.visits.pending.get(request_id)
         return expected_accepted(pending.rates, num_draft) if pending is not None else 0.0
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int, pending: _Pending | None = None) -> float:
+    def observe(self, request_id: str, num_draft: int, num_accepted: int, pending: Pending | None = None) -> float:
         """A verify of the request's draft (num_draft tokens, after any cut; chosen on `pending`,
         by default the current choice) accepted num_accepted. Returns the accepted tokens the
         choice expected of it (`expected`; 0 without a choice): one call per verify, each verify
         of each request makes one."""
-        pending = pending or self._pending.get(request_id)
+        pending = pending or self.visits.pending.get(request_id)
         if pending is None or num_draft <= 0:
             return 0.0
         self.stats.observe(request_id, pending.key, num_draft, num_accepted)
-        self._in_run[request_id] = num_accepted == num_draft
+        self.visits.in_run[request_id] = num_accepted == num_draft
         if pending.confidence is not None:
             self.calibration.observe(pending.phase, pending.confidence[:num_draft], num_accepted)
         return expected_accepted(pending.rates, num_draft)
@@ -745,18 +640,8 @@ class AutoK:
             # A later request may reuse the id: the batch is no longer held or re-found by ids,
             # only weighed per phase for a changed batch (`_batch_choice`).
             self._batch = (None, *self._batch[1:])
-        if self._hold and request_id in self._hold_of[0]:
-            left, kind = self._hold, self._hold_kind
-            self._apply_held()
-            # the others keep the hold for what is left of it (`join_zero_hold`, `join_batch_hold`)
-            i = self._hold_of[0].index(request_id)
-            for held in (self._hold_of[0], self._hold_of[1], self._held, self._held_ks,
-                         *((self._held_due,) if kind == "batch" else ())):
-                del held[i]
-            self._hold = left if self._held else 0
+        # the others keep the hold for what is left of it (`join_zero_hold`, `join_batch_hold`)
+        self.hold.drop(request_id, self.visits)
         self.stats.remove(request_id)
         self._choice.pop(request_id, None)
-        self._previous.pop(request_id, None)
-        self._same_steps.pop(request_id, None)
-        self._in_run.pop(request_id, None)
-        self._pending.pop(request_id, None)
+        self.visits.remove(request_id)
