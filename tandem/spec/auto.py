@@ -248,11 +248,21 @@ class AutoK:
         here, of the request there): then they move by a few percent in REFRESH_STEPS steps, and
         a search every REFRESH_STEPS steps was a fifth of what auto cost the host per step at 4
         requests (a third at 1: two contexts, each searched). A new request, a phase switch or a
-        new depth searches at once, and the refresh starts again."""
+        new depth searches at once, and the refresh starts again.
+
+        For more than MIX_MAX_BATCH requests the same depth is what counts, whichever requests
+        are in the batch: at 8-16 requests one comes or goes nearly every step, so a search of
+        the very same batch never came twice, and its choice was never held (on the demo pair's
+        DSpark traces at 16, `choose` ran at 150 of 159 steps ahead, session 23)."""
         batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step)
         old = self._batch
-        same = (old is not None and old[:4] == batch[:4]
-                and all(self.stats.phase_tries(key, 1) >= MIN_EVIDENCE for key in set(keys)))
+        if old is None:
+            same = False
+        elif len(ids) > MIX_MAX_BATCH:
+            same = len(old[1]) > MIX_MAX_BATCH and max(old[3], default=0) == max(ks, default=0)
+        else:
+            same = old[:4] == batch[:4]
+        same = same and all(self.stats.phase_tries(key, 1) >= MIN_EVIDENCE for key in set(keys))
         self._batch_refresh = min(2 * self._batch_refresh, HOLD_MAX) if same else REFRESH_STEPS
         self._batch = batch
 
@@ -357,6 +367,11 @@ class AutoK:
         self._take_held_step()
         return list(hold.ks)
 
+    def within(self, ks: Sequence[int], limits: Sequence[int]) -> list[int]:
+        """Held ks cut, each to the deepest captured depth within its request's room (`limits`)."""
+        fit = self._fit
+        return [k if k <= limit else fit[limit] for k, limit in zip(ks, limits)]
+
     def holds_zero(self, ids: Sequence[str]) -> bool:
         """Whether an all-zero hold with steps left stands for exactly these requests (in order)."""
         return self.hold.kind == "zero" and self.hold.matches(ids)
@@ -400,15 +415,14 @@ class AutoK:
             return None
         return hold.ids
 
-    def join_batch_hold(self, ids: Sequence[str], new: Sequence[str], phases: Sequence[str],
-                        limits: Sequence[int]) -> list[int] | None:
+    def join_batch_hold(self, ids: Sequence[str], new: Sequence[str], phases: Sequence[str]) -> list[int] | None:
         """A padded batch's hold at the deepest depth goes on for `ids`: the requests it holds
-        (those still running) and `new` ones (with rooms `limits`), when each new room takes the
-        depth for the steps left (else fewer are left) and the batch's phases (`phases`, of every
-        request in `ids`: held ones may have switched) and contexts weigh in for that depth
-        (`_phase_ks`, the rule a changed batch follows between searches). At the deepest depth no
-        request probes deeper, so nothing falls due. Returns the held ks, one step of the hold
-        taken, for `ids` (in order) from now on; None, changing nothing: the caller chooses.
+        (those still running) and `new` ones, when the batch's phases (`phases`, of every request
+        in `ids`: held ones may have switched) and contexts weigh in for that depth (`_phase_ks`,
+        the rule a changed batch follows between searches). At the deepest depth no request
+        probes deeper, so nothing falls due. Returns the held ks, one step of the hold taken, for
+        `ids` (in order) from now on (each to be cut to its request's room, `within`); None,
+        changing nothing: the caller chooses.
 
         Why: DSpark at 8-16 requests drafts its deepest depth nearly every step, and the batch
         changes nearly every step; each change ended the hold, and the `choose` that followed
@@ -420,9 +434,7 @@ class AutoK:
             return None
         top = self._allowed[-1]
         hold, visits = self.hold, self.visits
-        left = min(hold.left, *((limit - top) // (top + 1) for limit in limits))
-        if left <= 0:
-            return None
+        left = hold.left
         added = set(new)
         keys = [visits.key(rid, phase) for rid, phase in zip(ids, phases)]
         if self._phase_ks(keys, [top] * len(ids), top) != [top] * len(ids):
@@ -456,11 +468,12 @@ class AutoK:
     def _batch_hold(self, ids: Sequence[str], keys: Sequence[str], ks: Sequence[int], unprobed: Sequence[int],
                     limits: Sequence[int]) -> tuple[int, list[float]]:
         """Steps a padded batch's choice would repeat unchanged (0: none), and each request's
-        same-K steps at which its probe falls due: it was the batch's
-        choice (`_batch`), re-found by a search at least once, and no probe changed it this step.
-        It stands until the batch's own refresh falls due or a request's room could fall below
-        its K (a step takes up to K + 1 of its tokens); a request's probe one captured depth
-        deeper ends it on the step it falls due (`Hold.due`, checked by `Hold.step_batch`). Not
+        same-K steps at which its probe falls due: it was the batch's choice (`_batch`), re-found
+        by a search at least once, and no probe changed it this step. It stands until the batch's
+        own refresh falls due; a request's probe one captured depth deeper ends it on the step it
+        falls due (`Hold.due`, checked by `Hold.step_batch`). A request nearing its end does not
+        end it: each step cuts the held ks to the rooms (`within`), as any choice is; with 16
+        requests of ~100 tokens one is within a deep draft of its end nearly every step. Not
         held: batches of one or two requests, whose choice follows their contexts (`_run_mix`),
         and a request whose phase has too little evidence for K + 1 in either context (it probes
         every step)."""
@@ -472,10 +485,9 @@ class AutoK:
         intervals: dict[tuple[int, int], float] = {}  # `_interval`'s memo (a padded cost: symmetric)
         evidence: dict[tuple[str, int], float] = {}  # (key, K) -> phase_tries, once each
         due = []
+        if hold <= 0:
+            return 0, []
         for i, (key, k, limit) in enumerate(zip(keys, ks, limits)):
-            hold = min(hold, (limit - k) // (k + 1))
-            if hold <= 0:
-                return 0, []
             deeper = self._deeper[k]
             if deeper is None or deeper > limit:
                 due.append(math.inf)
@@ -489,7 +501,7 @@ class AutoK:
                     return 0, []
             idle = max(1, list(ks).count(0)) if k == 0 else 1  # as `choose` spaces probes out of K = 0
             due.append(max(PROBE_EVERY, idle * self._interval(ks, i, deeper, intervals)))
-        return max(hold, 0), due
+        return hold, due
 
     def _zero_hold(self, ids: Sequence[str], keys: Sequence[str], limits: Sequence[int], idle: int,
                    searched: Sequence[int]) -> int:

@@ -310,7 +310,9 @@ class SpecDecoder:
         counts them). Not recorded until `commit_ahead`. None: auto holds its last choice for
         these requests (`held_ks`, already recorded)."""
         ids = [r.request_id for r in requests]
-        if self.auto is not None and (held := self.auto.repeat(ids) or self._join_hold(ids, requests, in_flight)) is not None:
+        if self.auto is not None and (held := self.auto.repeat(ids) or self._join_hold(ids, requests)) is not None:
+            if any(held):  # a batch's hold: each K within its request's room, as any choice is
+                held = self.auto.within(held, [self._room_ahead(r, k) for r, k in zip(requests, in_flight)])
             if self._drafted == (ids, held):
                 return None  # the last choice again: _drafted and chosen_k stand (phases tracked after)
             return held  # recorded anew: the last record was a synchronous draft's, cut by confidence
@@ -324,7 +326,7 @@ class SpecDecoder:
         in_flight + 1 of its tokens."""
         return max(0, self.room(req) - 1 - in_flight)
 
-    def _join_hold(self, ids: list[str], requests: Sequence[Request], in_flight: Sequence[int]) -> list[int] | None:
+    def _join_hold(self, ids: list[str], requests: Sequence[Request]) -> list[int] | None:
         """auto: the held ks for a batch of the requests a hold stands for and new ones that
         may join it: an all-zero hold, when the new ones' phases would not draft either
         (`AutoK.join_zero_hold`); a padded batch's hold at the deepest depth, when the batch's
@@ -342,8 +344,7 @@ class SpecDecoder:
             return [0] * len(ids) if self.auto.join_zero_hold(ids, new_ids, phases) else None
         # every request's phase: a held one may have switched (commit_ahead tracks them all next)
         phases = [self._track(r).tracker.phase for r in requests]
-        rooms = [self._room_ahead(r, in_flight[i]) for i, r in new]
-        return self.auto.join_batch_hold(ids, new_ids, phases, rooms)
+        return self.auto.join_batch_hold(ids, new_ids, phases)
 
     def held_ks(self, requests: Sequence[Request]) -> list[int]:
         """The ks of the last recorded choice for these requests: what a held one repeats."""
