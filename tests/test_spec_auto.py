@@ -603,6 +603,27 @@ def test_a_batch_whose_requests_keep_changing_is_held_once_searches_keep_finding
     assert chosen < 60, chosen  # of 300 steps (every change chose before)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_k_its_room_cut_is_neither_held_nor_reused_once_the_room_grows(n):
+    # Near its end a request's room for the step after the one in flight is its room less that
+    # step's depth and token, so it swings with the depth in flight. A K the rooms cut (to 0 when
+    # no draft fits) is not the estimates' choice: held or reused as one, it kept the demo pair's
+    # last requests at K = 0 for steps on end (session 23: 557 steps ahead where K=7 took 525).
+    cost = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
+                     draft={(b, d): 0.1 for b in (1, 2, 4, 8, 16) for d in range(1, 5)})
+    auto, rng = AutoK(4, (1, 2, 3, 4), cost), random.Random(4)
+    ids, phases = [f"r{i}" for i in range(n)], ["reasoning"] * n
+    for _ in range(200):  # evidence: deep drafts pay
+        for rid, k in zip(ids, auto.repeat(ids) or auto.choose(ids, phases, [99] * n)):
+            if k:
+                auto.observe(rid, k, verify(rng, [0.9] * 4, k))
+    assert auto.choose(ids, phases, [0] * n) == [0] * n  # no draft fits: K = 0, not held
+    assert auto.repeat(ids) is None and not auto.holds_zero(ids)
+    assert auto.choose(ids, phases, [3] * n) == [3] * n  # the rooms grew: not the K = 0 again
+    assert auto.repeat(ids) in (None, [3] * n)
+    assert auto.choose(ids, phases, [99] * n) == [4] * n  # nor the cut K
+
+
 def test_a_batch_held_at_k0_keeps_its_hold_as_requests_come_and_go(monkeypatch):
     # At K = 0 a request that finishes leaves the others' hold standing, and one that comes in a
     # phase that would not draft joins it, with no search (at 8 requests on the H100 box each

@@ -100,9 +100,9 @@ class AutoK:
         self._can_cut: dict[tuple[int, int, int], tuple[int, bool]] = {}  # see cut_can_pay
         self._priors: dict[str, tuple[int, list[float]]] = {}  # see _prior
         self._drafts_now: dict[tuple[str, int], tuple[int, bool]] = {}  # see drafts_now
-        # id -> key -> (K, rates, step, steps it stands) of the last search that saw the request
-        # in that context
-        self._choice: dict[str, dict[str, tuple[int, list[float], int, int]]] = {}
+        # id -> key -> (K, rates, step, steps it stands, the room it was cut to: `_cuts`) of the
+        # last search that saw the request in that context
+        self._choice: dict[str, dict[str, tuple[int, list[float], int, int, float]]] = {}
         # A choice repeats unchanged for more steps of the same requests (`repeat`): an all-zero
         # one, or a padded batch's choice, while no probe or search falls due.
         self.hold = Hold()
@@ -115,9 +115,10 @@ class AutoK:
         # change searches at once, and what an all-zero finding rests on (the phases' estimates and
         # the step costs) does not move at K = 0, except by probes, which end a hold when due.
         self._zero_refresh = REFRESH_STEPS
-        # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step);
-        # ids None once one of its requests was removed (`_batch_choice`).
-        self._batch: tuple[tuple[str, ...] | None, tuple[str, ...], int, list[int], int] | None = None
+        # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step,
+        # the rooms they were cut to: `_cuts`); ids None once one of its requests was removed
+        # (`_batch_choice`).
+        self._batch: tuple[tuple[str, ...] | None, tuple[str, ...], int, list[int], int, tuple[float, ...]] | None = None
         # Steps it stands: REFRESH_STEPS, doubled (up to HOLD_MAX) each time a search of the
         # same batch finds the same ks again (`_search_batch`).
         self._batch_refresh = REFRESH_STEPS
@@ -149,7 +150,7 @@ class AutoK:
         self._step += 1
         self.hold.settle(visits)
         cached = [self._choice.get(rid, NOTHING).get(key) for rid, key in zip(ids, keys)]
-        if all(c is not None and c[0] <= limit and self._step - c[2] < c[3]
+        if all(c is not None and c[0] <= limit <= c[4] and self._step - c[2] < c[3]
                for c, limit in zip(cached, limits)):
             ks, rates = [c[0] for c in cached], [c[1] for c in cached]
             searched = [c[2] for c in cached]
@@ -173,16 +174,17 @@ class AutoK:
             ks = choose_ks(rates, self.depths, self.cost, previous, limits, self._hysteresis(previous))
             if any(ks):
                 self._zero_refresh = REFRESH_STEPS
-            for rid, key, k, r in zip(ids, keys, ks, rates):
+            cuts = self._cuts(ks, limits)
+            for rid, key, k, r, cut in zip(ids, keys, ks, rates, cuts):
                 choices = self._choice.get(rid)
                 if choices is None:
                     choices = self._choice[rid] = {}
                 old = choices.get(key)  # found again on enough evidence: it stands longer (_search_batch)
                 life = (min(2 * old[3], HOLD_MAX) if old is not None and old[0] == k
                         and self.stats.request_tries(rid, key, 1) >= MIN_EVIDENCE else REFRESH_STEPS)
-                choices[key] = (k, r, self._step, life)
+                choices[key] = (k, r, self._step, life, cut)
             if self.cost.uniform_is_optimal:
-                self._search_batch(ids, phases, keys, ks)
+                self._search_batch(ids, phases, keys, ks, cuts)
             searched = [self._step] * len(ids)
         # Requests at K = 0 probe independently, each one making its step a drafting step (with
         # async scheduling a step that no longer goes ahead): each spaces its probes by their
@@ -241,7 +243,19 @@ class AutoK:
             return HYSTERESIS
         return HYSTERESIS + self.catch_up / (REFRESH_STEPS * self.cost.seconds([0] * len(previous)))
 
-    def _search_batch(self, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str], ks: Sequence[int]) -> None:
+    def _cuts(self, ks: Sequence[int], limits: Sequence[int]) -> tuple[float, ...]:
+        """Per request, the room its K was cut to (inf: not cut, its estimates chose it). A K its
+        room cut stands only while the room does not grow: near a request's end the room for the
+        step after the one in flight is its room less that step's depth and token, so it swings
+        from step to step; a K of 0 the rooms forced, held and reused as if chosen, kept the
+        demo pair's last requests at K = 0 for steps on end (session 23: DSpark auto took 557
+        steps ahead where K=7 took 525, at 16 requests on an H100 box)."""
+        fit, top = self._fit, self._allowed[-1]
+        return tuple(limit if k < top and limit < top and k == fit[limit] else math.inf
+                     for k, limit in zip(ks, limits))
+
+    def _search_batch(self, ids: Sequence[str], phases: Sequence[str], keys: Sequence[str], ks: Sequence[int],
+                      cuts: tuple[float, ...]) -> None:
         """Keep a search's ks for its batch (under a padded cost). A search that finds the ks the
         batch already had lets them stand twice as long (up to HOLD_MAX steps), as a request's
         choice in a context does, once the estimates rest on MIN_EVIDENCE verifies (of the phase
@@ -254,7 +268,7 @@ class AutoK:
         are in the batch: at 8-16 requests one comes or goes nearly every step, so a search of
         the very same batch never came twice, and its choice was never held (on the demo pair's
         DSpark traces at 16, `choose` ran at 150 of 159 steps ahead, session 23)."""
-        batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step)
+        batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step, cuts)
         old = self._batch
         if old is None:
             same = False
@@ -272,7 +286,8 @@ class AutoK:
 
         - the last search's ks, when it was made for this batch (the same requests in the same
           phases with the same mix of contexts) less than `_batch_refresh` steps ago and every K
-          is still within its request's limit;
+          is still within its request's limit (and one its room cut, within the room it was cut
+          to: `_cuts`);
         - for a changed batch (a request came or went, switched phase, or neared its end) of more
           than MIX_MAX_BATCH requests, less than REFRESH_STEPS steps after a search: the depth its
           phases and contexts weigh in for (`_phase_ks`).
@@ -288,13 +303,14 @@ class AutoK:
             return None
         age, ks = self._step - batch[4], batch[3]
         if (batch[0] == tuple(ids) and batch[1] == tuple(phases) and batch[2] == _run_mix(keys)
-                and age < self._batch_refresh and all(k <= limit for k, limit in zip(ks, limits))):
+                and age < self._batch_refresh
+                and all(k <= limit <= cut for k, limit, cut in zip(ks, limits, batch[5]))):
             return list(ks)
         if age >= REFRESH_STEPS or len(ids) <= MIX_MAX_BATCH:
             return None
         ks = self._phase_ks(keys, limits, max(ks, default=0))
         # what `_search_batch` keeps, for this batch, from the same search (its age and refresh)
-        self._batch = (tuple(ids), tuple(phases), _run_mix(keys), ks, batch[4])
+        self._batch = (tuple(ids), tuple(phases), _run_mix(keys), ks, batch[4], self._cuts(ks, limits))
         return list(ks)
 
     def _phase_ks(self, keys: Sequence[str], limits: Sequence[int], last: int) -> list[int]:
@@ -445,7 +461,8 @@ class AutoK:
                 visits.pending[rid] = Pending(phase, key, self._prior(key))
         hold.set("batch", left, ids, phases, keys, [top] * len(ids), [math.inf] * len(ids))
         if self._batch is not None:  # the search the hold came from stands for this batch now
-            self._batch = (tuple(ids), tuple(phases), _run_mix(keys), [top] * len(ids), self._batch[4])
+            self._batch = (tuple(ids), tuple(phases), _run_mix(keys), [top] * len(ids), self._batch[4],
+                           (math.inf,) * len(ids))
         hold.step_batch(visits, self._choice)  # at the deepest depth no probe falls due: it takes the step
         self._take_held_step()
         return list(hold.ks)
@@ -508,7 +525,8 @@ class AutoK:
         """Steps an all-zero choice just made would repeat unchanged: before the search it came
         from (searched[i]: the step of request i's, its own or the batch's) expires or a request's
         next probe falls due (0 while a phase lacks evidence: it probes; 0 for a request choosing
-        after a rejection: at K = 0 its context changes next step). A search that keeps finding
+        after a rejection: at K = 0 its context changes next step; 0 for a request whose room
+        admits no draft: its room may grow next step). A search that keeps finding
         all zero stands longer each time, whichever requests it is for (`_zero_refresh`): at K = 0 nothing
         new is verified, so the estimates it ran on move only with the step times and probes
         (which end a hold when due), and a search every REFRESH_STEPS steps was most of what a
@@ -521,8 +539,8 @@ class AutoK:
                 return 0
             hold = min(hold, refresh - 1 - (self._step - at))
             deeper = next((d for d in self.depths if 0 < d <= limit), None)
-            if deeper is None:
-                continue
+            if deeper is None:  # its room, not its estimates, kept it at K = 0 (see `_cuts`)
+                return 0
             if self.stats.phase_tries(key, 1) < MIN_EVIDENCE:
                 return 0
             if deeper not in intervals:
