@@ -319,8 +319,10 @@ class OffloadConfig:
     # block of 32, LOSSY, for int4 / mxfp4 experts: fewer lookups and products per weight).
     cpu_moe_act_dtype: str = "auto"
     # How a CUDA stream hands a layer to the CPU experts and waits for it (tandem/offload/handoff.py):
-    # a host node (hostfunc) or a polling thread the stream signals through pinned flags (poll).
-    cpu_moe_handoff: str = "hostfunc"
+    # a polling thread the stream signals through pinned flags (poll), or a host node (hostfunc).
+    # poll by default: on the H100 boxes it hands a layer off in 25 us against 56-79 us, and in
+    # session 23 it decoded faster at every batch of both shapes (BENCHMARKS.md).
+    cpu_moe_handoff: str = "poll"
     # Hot experts (tandem/offload/hot_experts.py): a `tandem profile-experts` calibration file, and
     # the device bytes its most-used experts of the offloaded layers may take there as well.
     hot_experts: str | None = None

@@ -40,20 +40,22 @@ def test_graphs_with_cpu_experts_give_the_eager_tokens(model_dir):
     assert all(isinstance(b.executor, CpuMoEExecutor) for b in graphed.engine.model.moe_blocks().values())
     before = _steps(graphed, "cuda_graph")
     assert _greedy(graphed) == eager
-    assert _steps(graphed, "cuda_graph") - before >= 20  # decode replayed graphs holding the host nodes
+    assert _steps(graphed, "cuda_graph") - before >= 20  # decode replayed graphs holding the hand-offs
     on_gpu = _greedy(LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_memory="64MiB", max_num_seqs=4,
                          enforce_eager=True))
     assert eager == on_gpu  # fp32 CPU experts: the all-GPU tokens
 
 
 def test_the_polling_handoff_gives_the_host_node_tokens(model_dir):
-    """--cpu-moe-handoff poll: stream writes and waits on pinned flags (captured in the decode
-    graphs) and the doorbell thread; the same tokens as the host nodes, eager and graphed."""
+    """--cpu-moe-handoff poll (the default): stream writes and waits on pinned flags (captured in
+    the decode graphs) and the doorbell thread; the same tokens as the host nodes, eager and graphed."""
     kw = dict(device="cuda", dtype="float32", kv_cache_memory="64MiB", max_num_seqs=4, cpu_moe=True, cpu_moe_threads=4)
-    want = _greedy(LLM(str(model_dir), **kw))
+    hostfunc = LLM(str(model_dir), cpu_moe_handoff="hostfunc", **kw)
+    assert hostfunc.engine.model.cpu_experts.doorbell is None
+    want = _greedy(hostfunc)
     eager = LLM(str(model_dir), enforce_eager=True, cpu_moe_handoff="poll", **kw)
     assert _greedy(eager) == want
-    graphed = LLM(str(model_dir), cpu_moe_handoff="poll", **kw)
+    graphed = LLM(str(model_dir), **kw)
     bell = graphed.engine.model.cpu_experts.doorbell
     assert bell is not None and all(b.executor.doorbell is bell for b in graphed.engine.model.moe_blocks().values())
     before, served = _steps(graphed, "cuda_graph"), bell.served

@@ -44,7 +44,8 @@ def _driver() -> ctypes.CDLL:
 
 def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"{what} failed with CUresult {rc}: the CPU experts cannot be queued on the stream")
+        hint = " (stream memory operations: try --cpu-moe-handoff hostfunc)" if "Value32" in what else ""
+        raise RuntimeError(f"{what} failed with CUresult {rc}: the CPU experts cannot be queued on the stream{hint}")
 
 
 def launch_host_func(stream: torch.cuda.Stream, fn_ptr: int, arg_ptr: int) -> None:
