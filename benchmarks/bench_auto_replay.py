@@ -12,7 +12,11 @@ measurement: `ModelRunner.measure`, graph replays per (batch bucket, q = 1 + K),
 plus the demo DSpark drafter's measured times. GPU time only: no host work is simulated. Every
 policy runs on the same traces and the same tables: no speculation, fixed K = 1..Kmax, `phase`,
 and `auto` (the real controller, `tandem.spec.auto.AutoK`, fed each simulated verify and step,
-cutting drafts by the recorded DSpark confidence where a cut can pay; `auto-noconf` without);
+cutting drafts by the recorded DSpark confidence where a cut can pay; `auto-noconf` without;
+`auto-ahead` as the engine's steps ahead call it, `SpecDecoder.choose_ahead`: a hold repeated or
+joined where one stands, else `choose`, held ks cut to the rooms, no confidence cuts, its `choose`
+calls counted; here each step lands before the next is chosen, so a request's room does not
+swing with the depth in flight as it does in the engine);
 and a ceiling no policy can pass, `oracle`: each step's batch depth chosen knowing how many
 drafts each request will have accepted.
 
@@ -121,6 +125,7 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
     queue = list(range(len(traces)))
     live: dict[int, int] = {}  # trace index -> output position
     tokens, seconds, steps, ks_seen = 0, 0.0, 0, {}
+    calls = {"choose": 0, "repeat": 0, "join": 0}
     while queue or live:
         while queue and len(live) < conc:
             live[queue.pop(0)] = 0
@@ -141,6 +146,10 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
 
             depth = max(range(kmax + 1), key=rate)
             ks = [min(depth, c) for c in caps]
+        elif policy == "auto-ahead":
+            names = [str(i) for i in ids]
+            drafted = _ahead(auto, names, [r["phase"] for r in rows], [max(rm, 0) for rm in room], calls)
+            ks = drafted
         elif policy in ("auto", "auto-noconf"):
             names = [str(i) for i in ids]
             drafted = auto.choose(names, [r["phase"] for r in rows], [max(rm, 0) for rm in room])
@@ -167,7 +176,32 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
             auto.observe_step(ks, drafted, t)
         seconds += t
         steps += 1
-    return {"tok_s": tokens / seconds, "tokens": tokens, "steps": steps, "k": dict(sorted(ks_seen.items()))}
+    out = {"tok_s": tokens / seconds, "tokens": tokens, "steps": steps, "k": dict(sorted(ks_seen.items()))}
+    return {**out, "calls": calls} if policy == "auto-ahead" else out
+
+
+def _ahead(auto: AutoK, ids: list[str], phases: list[str], rooms: list[int], calls: dict[str, int]) -> list[int]:
+    """The ks `SpecDecoder.choose_ahead` gets from auto: the hold repeated, or joined by new
+    requests, else a `choose`; a batch's held ks cut to the rooms."""
+    held = auto.repeat(ids)
+    if held is not None:
+        calls["repeat"] += 1
+    else:
+        zero = auto.zero_held()
+        holding = zero if zero is not None else auto.deepest_held()
+        if holding is not None and len(ids) > len(holding):
+            members = set(holding)
+            new = [rid for rid in ids if rid not in members]
+            if zero is not None:
+                new_phases = [phase for rid, phase in zip(ids, phases) if rid not in members]
+                held = [0] * len(ids) if auto.join_zero_hold(ids, new, new_phases) else None
+            else:
+                held = auto.join_batch_hold(ids, new, phases)
+            calls["join"] += held is not None
+    if held is None:
+        calls["choose"] += 1
+        return auto.choose(ids, phases, rooms)
+    return auto.within(held, rooms) if any(held) else held
 
 
 def main() -> None:
@@ -215,7 +249,7 @@ def main() -> None:
     for b in sorted({b for b, _ in verify}):
         print(f"  {b:>3}: " + " ".join(f"{verify[(b, q)] * 1e3:7.3f}" for q in range(1, kmax + 2))
               + "   drafter d=1..: " + " ".join(f"{draft[(b, d)] * 1e3:6.3f}" for d in range(1, kmax + 1)))
-    policies = ["none", *[str(k) for k in range(1, kmax + 1)], "phase", "auto-noconf", "auto", "oracle"]
+    policies = ["none", *[str(k) for k in range(1, kmax + 1)], "phase", "auto-noconf", "auto", "auto-ahead", "oracle"]
     report = {"replayed": True, "shape": args.shape, "layers": args.layers, "kmax": kmax, "requests": len(traces),
               "phase_k": phase_k,
               "verify_ms": {f"{b},{q}": t * 1e3 for (b, q), t in verify.items()},
@@ -233,6 +267,9 @@ def main() -> None:
         print(f"         best fixed K={best_fixed}; auto / best fixed = {res['auto']['tok_s'] / top:.3f},"
               f" auto / phase = {res['auto']['tok_s'] / res['phase']['tok_s']:.3f}, oracle / best fixed = "
               f"{res['oracle']['tok_s'] / top:.3f}; auto K counts {res['auto']['k']}")
+        ahead = res["auto-ahead"]
+        print(f"         auto-ahead / best fixed = {ahead['tok_s'] / top:.3f}; {ahead['steps']} steps, of which "
+              f"choose {ahead['calls']['choose']}, repeat {ahead['calls']['repeat']}, join {ahead['calls']['join']}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 
