@@ -38,7 +38,9 @@
 # llguidance wheel): the fixed GPU test of the draft model's chained steps (ef91f97), the AMX kernel against avx512bf16
 # where experts get several tokens (16 and 8 of 256 kept), auto live with the held batch choices of 0bef271 and the
 # stage clock, and where the draft model's K = 0 steps go at 16 requests against no speculation.
-# After session 22, `after22` (issue 15) and `offload22` (issue 16), one call each: see their parts below.
+# After session 22, `after22` (issue 15) and `offload22` (issue 16), one call each: see their parts below. Session 23
+# ran both; `after23` (~5 minutes; carry the llguidance wheel) is what it could not: the GPU tests of the CPU experts
+# with poll the default hand-off (acc74c5), then DSpark auto against K=7 at 16 and 8 requests in both engine orders.
 # After session 21 (its budget ran out before its last fixes were measured), `after21` (~5 minutes; carry the
 # llguidance wheel): the draft model's auto at K = 0 and at 16 requests after 94684c4 (zero holds kept across request
 # changes) and 8701cf1 (a landing that holds a prompt launch is not timed): the interval profile with its tallies and
@@ -58,7 +60,18 @@ profile_draft_model_c16() {
         grep "tok/s" "$out/profile_c16_$name.txt"
     done
 }
-if [ "$part" = after22 ]; then
+if [ "$part" = after23 ]; then
+timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py tests/test_cpu_handoff.py \
+    tests/test_deepseek_v4_engine.py 2>&1 | tail -6 | tee "$out/gpu_tests.txt"
+K7='{"method": "dspark", "num_speculative_tokens": 7}'
+AUTO='{"method": "dspark", "num_speculative_tokens": 7, "adaptive": "auto"}'
+for c in 16 8; do
+    timeout 80 python3 benchmarks/profile_step_intervals.py --device cuda --concurrency $c --warmup-rounds 1 --rounds 2 \
+        --base "$K7" --spec "$AUTO" --out "$out/iv_dspark_c$c.json" 2>&1 | grep "^round\|wrote\|Error" | cut -c1-300
+    timeout 80 python3 benchmarks/profile_step_intervals.py --device cuda --concurrency $c --warmup-rounds 1 --rounds 2 \
+        --base "$AUTO" --spec "$K7" --out "$out/iv_dspark_swapped_c$c.json" 2>&1 | grep "^round\|wrote\|Error" | cut -c1-300
+done
+elif [ "$part" = after22 ]; then
 # After session 22 (~4 minutes; carry the llguidance wheel): DSpark auto against K=7 at 16 and 8 requests after
 # c4fabaa (a changed padded batch weighed per phase between searches) and cada271 (a hold at the deepest depth survives
 # request changes): the interval profile with auto's tallies (choose, searches), then live with an A/A engine.
