@@ -175,7 +175,10 @@ def test_confidence_cut_learns_the_calibration_and_keeps_only_paying_tokens():
     for _ in range(600):
         (k,) = auto.choose(["r"], ["content"], [4])
         conf = [rng.choice([0.3, 0.95]) for _ in range(max(k, 1))]
+        auto.expected("r", len(conf))  # the prediction before the cut, kept with the choice
         (cut,) = auto.refine(["r"], [len(conf)], [conf])
+        # after it, on the calibrated rates the cut was made on
+        assert auto.expected("r", cut) == pytest.approx(expected_accepted(auto.pending("r").rates, cut))
         n = 0
         while n < cut and rng.random() < conf[n] / 2:
             n += 1
