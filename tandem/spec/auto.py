@@ -11,10 +11,12 @@ One step, as `SpecDecoder` drives it:
    that finds the same depth again lets it stand twice as long, up to `HOLD_MAX` steps. Between
    searches a changed padded batch (requests coming, going, switching phase) takes the depth its
    phases and contexts weigh in for, with no search (`_batch_choice`). Such a batch's choice,
-   and an all-zero one, then repeat without `choose` (`repeat`) until a search, a probe or a
-   request's room says otherwise; requests that finish leave the hold standing for the others,
-   and requests that come join it where their phases keep its choice (`join_zero_hold`,
-   `join_batch_hold`).
+   and an all-zero one, then repeat without `choose` (`repeat`; the state is `tandem.spec.hold`'s)
+   until a search or a probe falls due, each step cut to the requests' rooms (`within`);
+   requests that finish leave the hold standing for the others, and requests that come join it
+   where their phases keep its choice (`join_zero_hold`, `join_batch_hold`). A K a room cut
+   (to 0 where no draft fits) is not the estimates' choice: it is neither held nor reused once
+   the room grows (`_cuts`).
 2. `refine(ids, confidences)`, for a drafter with a confidence head (DSpark): the drafts are cut
    where the drafter's own confidence, calibrated online against what verifies accepted, says the
    remaining tokens do not pay for their verify (the drafter's time is spent by then, so only the
@@ -499,11 +501,11 @@ class AutoK:
                 or self._batch_refresh <= REFRESH_STEPS):  # not re-found yet: the choice may still move
             return 0, []
         hold = self._batch_refresh - (self._step - batch[4]) - 1
+        if hold <= 0:
+            return 0, []
         intervals: dict[tuple[int, int], float] = {}  # `_interval`'s memo (a padded cost: symmetric)
         evidence: dict[tuple[str, int], float] = {}  # (key, K) -> phase_tries, once each
         due = []
-        if hold <= 0:
-            return 0, []
         for i, (key, k, limit) in enumerate(zip(keys, ks, limits)):
             deeper = self._deeper[k]
             if deeper is None or deeper > limit:
