@@ -340,7 +340,7 @@ def test_a_padded_batch_whose_requests_change_takes_the_depth_its_phases_weigh_i
     for _ in range(100):  # past the probes of thin evidence
         for rid, k in zip(ids, auto.choose(ids, phases, [99] * 8)):
             auto.observe(rid, k, verify(rng, [0.9] * 4, k) if k else 0)
-    auto._batch = (*auto._batch[:4], auto._step)  # as if its search were this step's
+    auto._batch = auto._batch._replace(step=auto._step)  # as if its search were this step's
     auto.remove("r0")  # r0 finished, r8 came, in the same phase
     searches.clear()
     swapped = ["r8", *ids[1:]]
@@ -363,6 +363,9 @@ def test_a_changed_batch_takes_the_depth_a_search_on_its_phases_finds():
     # drafts well (deep) and one that drafts badly (not at all, alone) drafts while enough of it
     # is in the first: the mix turns one request at a time, down and back up, and at every mix
     # the depth is the search's, from the last depth with the search's hysteresis.
+    import math
+
+    from tandem.spec import auto as auto_module
     from tandem.spec.goodput import HYSTERESIS
 
     dear = hand_cost({b: {q: 1.0 + 0.01 * q for q in range(1, 6)} for b in (1, 2, 4, 8, 16)},
@@ -377,7 +380,8 @@ def test_a_changed_batch_takes_the_depth_a_search_on_its_phases_finds():
     depths, last = [], 4
     for reasoning in [*range(8, -1, -1), *range(1, 9)]:
         phases = ["reasoning"] * reasoning + ["content"] * (8 - reasoning)
-        auto._batch = (None, (), -1, [last] * 8, auto._step)  # a search just made, for other requests
+        # a search just made, for other requests
+        auto._batch = auto_module._BatchChoice(None, (), -1, [last] * 8, auto._step, (math.inf,) * 8)
         keys = [p + (RUN if auto.visits.in_run.get(r, True) else "") for r, p in zip(ids, phases)]
         # every other mix with two requests near their ends: their depth is cut to their room
         limits = [99] * 8 if reasoning % 2 else [2, 99, 99, 99, 99, 99, 99, 0]

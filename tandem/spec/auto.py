@@ -44,6 +44,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from tandem.spec.calibration import ConfidenceCalibration
 from tandem.spec.goodput import (HYSTERESIS, AcceptanceStats, StepCost, choose_ks, depth_floors,
@@ -77,6 +78,17 @@ def _run_mix(keys: Sequence[str]) -> int:
     if len(keys) > MIX_MAX_BATCH:
         return -1
     return sum(1 for key in keys if key.endswith(RUN))
+
+
+class _BatchChoice(NamedTuple):
+    """Under a padded cost, the ks kept for a batch (`AutoK._batch`)."""
+
+    ids: tuple[str, ...] | None  # None once one of its requests was removed
+    phases: tuple[str, ...]
+    mix: int  # `_run_mix` of its requests' contexts
+    ks: list[int]
+    step: int  # of the search it came from: its age counts from there
+    cuts: tuple[float, ...]  # the rooms its ks were cut to (`AutoK._cuts`)
 
 
 @dataclass
@@ -117,10 +129,8 @@ class AutoK:
         # change searches at once, and what an all-zero finding rests on (the phases' estimates and
         # the step costs) does not move at K = 0, except by probes, which end a hold when due.
         self._zero_refresh = REFRESH_STEPS
-        # Under a padded cost, the last search's ks for its batch: (ids, phases, mix, ks, step,
-        # the rooms they were cut to: `_cuts`); ids None once one of its requests was removed
-        # (`_batch_choice`).
-        self._batch: tuple[tuple[str, ...] | None, tuple[str, ...], int, list[int], int, tuple[float, ...]] | None = None
+        # Under a padded cost, the last search's ks for its batch (`_search_batch`, `_batch_choice`).
+        self._batch: _BatchChoice | None = None
         # Steps it stands: REFRESH_STEPS, doubled (up to HOLD_MAX) each time a search of the
         # same batch finds the same ks again (`_search_batch`).
         self._batch_refresh = REFRESH_STEPS
@@ -166,7 +176,7 @@ class AutoK:
             # until the next search. A draft is predicted with the request's last searched rates
             # in its context (the phase's while it has none).
             ks, rates = batch, []
-            searched = [self._batch[4]] * len(ids)  # a request's context may not have been searched
+            searched = [self._batch.step] * len(ids)  # a request's context may not have been searched
             for c, key in zip(cached, keys):
                 rates.append(self._prior(key) if c is None else c[1])
         else:
@@ -270,14 +280,14 @@ class AutoK:
         are in the batch: at 8-16 requests one comes or goes nearly every step, so a search of
         the very same batch never came twice, and its choice was never held (on the demo pair's
         DSpark traces at 16, `choose` ran at 150 of 159 steps ahead, session 23)."""
-        batch = (tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step, cuts)
+        batch = _BatchChoice(tuple(ids), tuple(phases), _run_mix(keys), list(ks), self._step, cuts)
         old = self._batch
         if old is None:
             same = False
         elif len(ids) > MIX_MAX_BATCH:
-            same = len(old[1]) > MIX_MAX_BATCH and max(old[3], default=0) == max(ks, default=0)
+            same = len(old.phases) > MIX_MAX_BATCH and max(old.ks, default=0) == max(ks, default=0)
         else:
-            same = old[:4] == batch[:4]
+            same = old[:4] == batch[:4]  # the same requests, phases, mix and ks
         same = same and all(self.stats.phase_tries(key, 1) >= MIN_EVIDENCE for key in set(keys))
         self._batch_refresh = min(2 * self._batch_refresh, HOLD_MAX) if same else REFRESH_STEPS
         self._batch = batch
@@ -303,16 +313,16 @@ class AutoK:
         batch = self._batch
         if batch is None:
             return None
-        age, ks = self._step - batch[4], batch[3]
-        if (batch[0] == tuple(ids) and batch[1] == tuple(phases) and batch[2] == _run_mix(keys)
+        age, ks = self._step - batch.step, batch.ks
+        if (batch.ids == tuple(ids) and batch.phases == tuple(phases) and batch.mix == _run_mix(keys)
                 and age < self._batch_refresh
-                and all(k <= limit <= cut for k, limit, cut in zip(ks, limits, batch[5]))):
+                and all(k <= limit <= cut for k, limit, cut in zip(ks, limits, batch.cuts))):
             return list(ks)
         if age >= REFRESH_STEPS or len(ids) <= MIX_MAX_BATCH:
             return None
         ks = self._phase_ks(keys, limits, max(ks, default=0))
         # what `_search_batch` keeps, for this batch, from the same search (its age and refresh)
-        self._batch = (tuple(ids), tuple(phases), _run_mix(keys), ks, batch[4], self._cuts(ks, limits))
+        self._batch = _BatchChoice(tuple(ids), tuple(phases), _run_mix(keys), ks, batch.step, self._cuts(ks, limits))
         return list(ks)
 
     def _phase_ks(self, keys: Sequence[str], limits: Sequence[int], last: int) -> list[int]:
@@ -463,8 +473,8 @@ class AutoK:
                 visits.pending[rid] = Pending(phase, key, self._prior(key))
         hold.set("batch", left, ids, phases, keys, [top] * len(ids), [math.inf] * len(ids))
         if self._batch is not None:  # the search the hold came from stands for this batch now
-            self._batch = (tuple(ids), tuple(phases), _run_mix(keys), [top] * len(ids), self._batch[4],
-                           (math.inf,) * len(ids))
+            self._batch = _BatchChoice(tuple(ids), tuple(phases), _run_mix(keys), [top] * len(ids), self._batch.step,
+                                       (math.inf,) * len(ids))
         hold.step_batch(visits, self._choice)  # at the deepest depth no probe falls due: it takes the step
         self._take_held_step()
         return list(hold.ks)
@@ -497,10 +507,10 @@ class AutoK:
         and a request whose phase has too little evidence for K + 1 in either context (it probes
         every step)."""
         batch = self._batch
-        if (len(ids) <= MIX_MAX_BATCH or batch is None or batch[0] != tuple(ids) or list(ks) != list(unprobed)
+        if (len(ids) <= MIX_MAX_BATCH or batch is None or batch.ids != tuple(ids) or list(ks) != list(unprobed)
                 or self._batch_refresh <= REFRESH_STEPS):  # not re-found yet: the choice may still move
             return 0, []
-        hold = self._batch_refresh - (self._step - batch[4]) - 1
+        hold = self._batch_refresh - (self._step - batch.step) - 1
         if hold <= 0:
             return 0, []
         intervals: dict[tuple[int, int], float] = {}  # `_interval`'s memo (a padded cost: symmetric)
@@ -668,10 +678,10 @@ class AutoK:
         self.catch_up = (1 - CATCH_UP_SMOOTHING) * self.catch_up + CATCH_UP_SMOOTHING * extra
 
     def remove(self, request_id: str) -> None:
-        if self._batch is not None and self._batch[0] is not None and request_id in self._batch[0]:
+        if self._batch is not None and self._batch.ids is not None and request_id in self._batch.ids:
             # A later request may reuse the id: the batch is no longer held or re-found by ids,
             # only weighed per phase for a changed batch (`_batch_choice`).
-            self._batch = (None, *self._batch[1:])
+            self._batch = self._batch._replace(ids=None)
         # the others keep the hold for what is left of it (`join_zero_hold`, `join_batch_hold`)
         self.hold.drop(request_id, self.visits)
         self.stats.remove(request_id)

@@ -337,10 +337,10 @@ class SpecDecoder:
         if holding is None or len(ids) <= len(holding):
             return None
         members = set(holding)
-        new = [(i, r) for i, r in enumerate(requests) if r.request_id not in members]
-        new_ids = [r.request_id for _, r in new]
+        new = [r for r in requests if r.request_id not in members]
+        new_ids = [r.request_id for r in new]
         if zero is not None:
-            phases = [self._track(r).tracker.phase for _, r in new]
+            phases = [self._track(r).tracker.phase for r in new]
             return [0] * len(ids) if self.auto.join_zero_hold(ids, new_ids, phases) else None
         # every request's phase: a held one may have switched (commit_ahead tracks them all next)
         phases = [self._track(r).tracker.phase for r in requests]

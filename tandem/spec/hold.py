@@ -74,8 +74,7 @@ class Hold:
             ks: Sequence[int], due: Sequence[float] | None = None) -> None:
         self.kind, self.left = kind, left
         self.ids, self.phases, self.keys, self.ks = list(ids), list(phases), list(keys), list(ks)
-        if due is not None:
-            self.due = list(due)
+        self.due = list(due) if due is not None else []  # an all-zero hold has none
 
     def stands(self, kind: str) -> bool:
         """Whether a hold of this kind has steps left."""
