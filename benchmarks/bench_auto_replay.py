@@ -18,7 +18,11 @@ joined where one stands, else `choose`, held ks cut to the rooms, no confidence 
 calls counted; here each step lands before the next is chosen, so a request's room does not
 swing with the depth in flight as it does in the engine);
 and a ceiling no policy can pass, `oracle`: each step's batch depth chosen knowing how many
-drafts each request will have accepted.
+drafts each request will have accepted. `stop@T` (`--stop`) is a drafter that stops on its own
+confidence: every request drafts the block and keeps drafts while the product of the recorded
+confidences up to them (the head's estimate that all of them are accepted) is at least T; the
+block forward is charged at depth 1 or more whatever is kept, the stop itself at nothing (a
+device-side early exit, which the engine does not have: this is the most such a drafter can gain).
 
     python benchmarks/bench_auto_replay.py --traces traces.json --device cuda --out replay.json
     python benchmarks/bench_auto_replay.py --traces traces.json --device cpu --shape tiny   # a smoke run
@@ -131,14 +135,13 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
             live[queue.pop(0)] = 0
         ids = sorted(live)
         rows = [traces[i].at(live[i]) for i in ids]
-        room = [traces[i].length - live[i] - 1 for i in ids]
+        caps = [max(traces[i].length - live[i] - 1, 0) for i in ids]  # each request's room for drafts
         if policy == "none":
             ks = [0] * len(ids)
         elif policy == "phase":
-            ks = [min(phase_k[r["phase"]], kmax, max(rm, 0)) for r, rm in zip(rows, room)]
+            ks = [min(phase_k[r["phase"]], kmax, c) for r, c in zip(rows, caps)]
         elif policy == "oracle":  # the ceiling: each step's accepted drafts known in advance
             runs = [traces[i].run_at(live[i], kmax) for i in ids]
-            caps = [max(rm, 0) for rm in room]
 
             def rate(d: int) -> float:
                 ks_d = [min(d, c) for c in caps]
@@ -146,21 +149,26 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
 
             depth = max(range(kmax + 1), key=rate)
             ks = [min(depth, c) for c in caps]
+        elif policy.startswith("stop@"):
+            ks = [_confidence_stop(traces[i].confidence(live[i], min(kmax, c)), min(kmax, c), float(policy[5:]))
+                  for i, c in zip(ids, caps)]
         elif policy == "auto-ahead":
             names = [str(i) for i in ids]
-            drafted = _ahead(auto, names, [r["phase"] for r in rows], [max(rm, 0) for rm in room], calls)
+            drafted = _ahead(auto, names, [r["phase"] for r in rows], caps, calls)
             ks = drafted
         elif policy in ("auto", "auto-noconf"):
             names = [str(i) for i in ids]
-            drafted = auto.choose(names, [r["phase"] for r in rows], [max(rm, 0) for rm in room])
+            drafted = auto.choose(names, [r["phase"] for r in rows], caps)
             ks = drafted
             if policy == "auto" and auto.cut_can_pay(drafted):
                 # The drafter's confidence for the tokens it would draft here (`Trace.confidence`).
                 confs = [traces[i].confidence(live[i], d) if d else None for i, d in zip(ids, drafted)]
                 ks = auto.refine(names, drafted, confs)
         else:
-            ks = [min(int(policy), max(rm, 0)) for rm in room]
-        t = cost.seconds(ks, drafted if policy.startswith("auto") else None)
+            ks = [min(int(policy), c) for c in caps]
+        if policy.startswith("stop@"):  # the block forward runs for every request that has room
+            drafted = [max(max(ks), 1) if c else 0 for c in caps]
+        t = cost.seconds(ks, drafted if policy.startswith(("auto", "stop@")) else None)
         for i, r, k in zip(ids, rows, ks):
             got = traces[i].run_at(live[i], k) if k else 0
             if policy.startswith("auto") and k:
@@ -178,6 +186,19 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
         steps += 1
     out = {"tok_s": tokens / seconds, "tokens": tokens, "steps": steps, "k": dict(sorted(ks_seen.items()))}
     return {**out, "calls": calls} if policy == "auto-ahead" else out
+
+
+def _confidence_stop(confidence: list[float] | None, cap: int, threshold: float) -> int:
+    """Drafts kept: while the running product of the confidences stays at least `threshold`
+    (all `cap` when none were recorded)."""
+    if confidence is None:
+        return cap
+    reach = 1.0
+    for depth, c in enumerate(confidence):
+        reach *= c
+        if reach < threshold:
+            return depth
+    return cap
 
 
 def _ahead(auto: AutoK, ids: list[str], phases: list[str], rooms: list[int], calls: dict[str, int]) -> list[int]:
@@ -220,6 +241,8 @@ def main() -> None:
                     help="use the step tables of a previous run's --out file instead of measuring")
     ap.add_argument("--phase-k", default=None, metavar="JSON",
                     help='`phase` with these phase_k instead of the seed\'s, e.g. \'{"reasoning": 7, "content": 5, "tool_call": 7}\'')
+    ap.add_argument("--stop", default="0.05,0.1,0.2", metavar="T,...",
+                    help="thresholds of the `stop@T` policies (a drafter stopping on its own confidence); '' for none")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     phase_k = {**PHASE_K, **json.loads(args.phase_k)} if args.phase_k else PHASE_K
@@ -249,7 +272,9 @@ def main() -> None:
     for b in sorted({b for b, _ in verify}):
         print(f"  {b:>3}: " + " ".join(f"{verify[(b, q)] * 1e3:7.3f}" for q in range(1, kmax + 2))
               + "   drafter d=1..: " + " ".join(f"{draft[(b, d)] * 1e3:6.3f}" for d in range(1, kmax + 1)))
-    policies = ["none", *[str(k) for k in range(1, kmax + 1)], "phase", "auto-noconf", "auto", "auto-ahead", "oracle"]
+    stops = [f"stop@{float(t):g}" for t in args.stop.split(",") if t.strip()]
+    policies = ["none", *[str(k) for k in range(1, kmax + 1)], "phase", "auto-noconf", "auto", "auto-ahead", *stops,
+                "oracle"]
     report = {"replayed": True, "shape": args.shape, "layers": args.layers, "kmax": kmax, "requests": len(traces),
               "phase_k": phase_k,
               "verify_ms": {f"{b},{q}": t * 1e3 for (b, q), t in verify.items()},
@@ -267,6 +292,8 @@ def main() -> None:
         print(f"         best fixed K={best_fixed}; auto / best fixed = {res['auto']['tok_s'] / top:.3f},"
               f" auto / phase = {res['auto']['tok_s'] / res['phase']['tok_s']:.3f}, oracle / best fixed = "
               f"{res['oracle']['tok_s'] / top:.3f}; auto K counts {res['auto']['k']}")
+        if stops:
+            print("         " + ", ".join(f"{p} / best fixed = {res[p]['tok_s'] / top:.3f}" for p in stops))
         ahead = res["auto-ahead"]
         print(f"         auto-ahead / best fixed = {ahead['tok_s'] / top:.3f}; {ahead['steps']} steps, of which "
               f"choose {ahead['calls']['choose']}, repeat {ahead['calls']['repeat']}, join {ahead['calls']['join']}")
