@@ -199,6 +199,8 @@ def main() -> None:
     ap.add_argument("--warmup-rounds", type=int, default=0, help="untimed rounds first (auto learns meanwhile)")
     ap.add_argument("--spec-skip-prompts", action="store_true",
                     help="a third engine: the spec one whose draft model is fed no prompt (drafts_now always False)")
+    ap.add_argument("--spec-first", action="store_true",
+                    help="run the --spec engine before the one compared with in every round (an order A/B)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     clock, tally, gc_clock = IntervalClock(), Tally(), GcClock()
@@ -213,6 +215,8 @@ def main() -> None:
         if auto is None:
             raise SystemExit("--spec-skip-prompts needs an adaptive auto --spec")
         auto.drafts_now = lambda phase, batch: False  # this engine only (an instance attribute)
+    if args.spec_first:
+        llms = dict(reversed(llms.items()))
     for llm in llms.values():
         llm.generate(prompts[:2], SamplingParams(max_tokens=32, temperature=0.0))
     for _ in range(args.warmup_rounds):
