@@ -128,6 +128,35 @@ class ZeroExperts:
         return torch.zeros_like(hidden)
 
 
+def profile_gpu_side(engine: LLMEngine, batch: int, prompt: int, new_tokens: int, top: int = 20) -> dict:
+    """One decode of the GPU side alone under torch.profiler: the summed GPU time of its kernels
+    per decode step against the step's wall time (a GPU side far above its kernels is host- or
+    launch-bound), the kernels launched a step, and the `top` kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_decode(engine, batch, prompt, 8, seed=700 + batch)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r = run_decode(engine, batch, prompt, new_tokens, seed=800 + batch)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    steps = max(r["steps"], 1)
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total_us = sum(sum(v) for v in by_name.values())
+    out = {"batch": batch, "steps": r["steps"], "graph_steps": r["graph_steps"],
+           "wall_ms_per_step": 1e3 * batch / r["decode_tok_s"], "gpu_kernel_ms_per_step": total_us / 1e3 / steps,
+           "kernels_per_step": len(kernels) / steps,
+           "top": [{"name": name[:90], "calls_per_step": len(v) / steps, "us_per_step": sum(v) / steps,
+                    "us_per_call": sum(v) / len(v)}
+                   for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]]}
+    print(f"GPU side, batch {batch}, profiled: {out['wall_ms_per_step']:.2f} ms a step (wall, the profiler on), "
+          f"kernels {out['gpu_kernel_ms_per_step']:.2f} ms a step, {out['kernels_per_step']:.0f} kernels a step", flush=True)
+    for k in out["top"]:
+        print(f"  {k['us_per_step']:8.1f} us/step {k['calls_per_step']:6.1f} calls/step {k['us_per_call']:7.2f} us/call  "
+              f"{k['name']}", flush=True)
+    return out
+
+
 def make_engine(path: Path, model, device: str, dtype: torch.dtype, kv_bytes: int, max_num_seqs: int,
                 max_len: int) -> LLMEngine:
     config = EngineConfig(
@@ -161,6 +190,9 @@ def main() -> None:
                          "ways, labelled <handoff>+steal")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure the hand-offs this many times, interleaved; each figure is the median")
+    ap.add_argument("--profile-gpu-side", action="store_true",
+                    help="also profile the GPU side alone at the first batch size (torch.profiler): its kernels' "
+                         "GPU time a step against the step's wall time, and the kernels that take the most")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     handoffs = args.handoff.split(",")
@@ -285,6 +317,8 @@ def main() -> None:
                 print(f"batch {b} ({handoff}): GPU side {row['gpu_side_ms']:.2f} ms, predicted {row['predicted_ms']:.1f} "
                       f"ms, measured {got['step_ms']:.1f} ms ({got['step_over_predicted']:.3f}x){per_layer}", flush=True)
             row.update({k: v for k, v in row["by_handoff"][variants[0][0]].items() if k not in row})
+        if args.profile_gpu_side and device == "cuda":
+            results["gpu_side_profile"] = profile_gpu_side(engine, batches[0], args.prompt, args.new_tokens)
         results["decode"] = rows
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
