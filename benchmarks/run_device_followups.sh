@@ -41,6 +41,9 @@
 # After session 22, `after22` (issue 15) and `offload22` (issue 16), one call each: see their parts below. Session 23
 # ran both; `after23` (~5 minutes; carry the llguidance wheel) is what it could not: the GPU tests of the CPU experts
 # with poll the default hand-off (acc74c5), then DSpark auto against K=7 at 16 and 8 requests in both engine orders.
+# Session 24 started no machine: run `after23` first, then `after24` (~7 minutes; carry the llguidance wheel): where
+# the V4 stand-in's GPU side goes at batch 1 (bench_offload --profile-gpu-side; issue 16's batch-1 miss), and the draft
+# model at K = 0 against none at 1 request in both engine orders (profile_step_intervals --spec-first; issue 15).
 # After session 21 (its budget ran out before its last fixes were measured), `after21` (~5 minutes; carry the
 # llguidance wheel): the draft model's auto at K = 0 and at 16 requests after 94684c4 (zero holds kept across request
 # changes) and 8701cf1 (a landing that holds a prompt launch is not timed): the interval profile with its tallies and
@@ -60,7 +63,15 @@ profile_draft_model_c16() {
         grep "tok/s" "$out/profile_c16_$name.txt"
     done
 }
-if [ "$part" = after23 ]; then
+if [ "$part" = after24 ]; then
+timeout 220 python3 benchmarks/bench_offload.py --shape v4-flash-experts --cpu-moe --fmt mxfp4 --num-experts-kept 64 \
+    --gpu-budget 24GiB --threads 15 --batches 1,4 --new-tokens 16 --handoff poll --profile-gpu-side \
+    --out "$out/offload_v4_gpu_side_profile.json" 2>&1 | grep --line-buffered "^batch\|GPU side\|us/step\|Error" | tail -40
+for order in "" --spec-first; do
+    timeout 100 python3 benchmarks/profile_step_intervals.py --device cuda --concurrency 1 --warmup-rounds 1 --rounds 3 \
+        $order --out "$out/iv_draft_model_c1${order:+_spec_first}.json" 2>&1 | grep "^round\|wrote\|Error" | cut -c1-260
+done
+elif [ "$part" = after23 ]; then
 timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py tests/test_cpu_handoff.py \
     tests/test_deepseek_v4_engine.py 2>&1 | tail -6 | tee "$out/gpu_tests.txt"
 K7='{"method": "dspark", "num_speculative_tokens": 7}'
