@@ -167,7 +167,8 @@ def simulate(traces: list[Trace], conc: int, policy: str, kmax: int, verify: dic
         else:
             ks = [min(int(policy), c) for c in caps]
         if policy.startswith("stop@"):  # the block forward runs for every request that has room
-            drafted = [max(max(ks), 1) if c else 0 for c in caps]
+            block = max(max(ks), 1)
+            drafted = [block if c else 0 for c in caps]
         t = cost.seconds(ks, drafted if policy.startswith(("auto", "stop@")) else None)
         for i, r, k in zip(ids, rows, ks):
             got = traces[i].run_at(live[i], k) if k else 0
