@@ -188,6 +188,9 @@ def main() -> None:
     ap.add_argument("--steal", default="off", choices=("off", "on", "off,on"),
                     help="the CPU kernel's work stealing (cpu_experts.set_steal); off,on measures each hand-off both "
                          "ways, labelled <handoff>+steal")
+    ap.add_argument("--host-wait", default="auto", choices=("auto", "spin", "asleep", "spin,asleep"),
+                    help="how the engine's host thread waits for a step's tokens (LLMEngine.waits_asleep; auto: its "
+                         "default); spin,asleep measures each hand-off both ways, labelled <handoff>+<wait>")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure the hand-offs this many times, interleaved; each figure is the median")
     ap.add_argument("--profile-gpu-side", action="store_true",
@@ -198,9 +201,10 @@ def main() -> None:
     handoffs = args.handoff.split(",")
     if any(h not in HANDOFFS for h in handoffs) or (args.device != "cuda" and handoffs != ["hostfunc"]):
         raise SystemExit(f"--handoff takes {', '.join(HANDOFFS)} (on CUDA; a CPU run calls the kernel directly)")
-    # What is measured in turn: (label, hand-off, work stealing)
-    variants = [(h + ("+steal" if on else ""), h, on) for h in handoffs
-                for on in {"off": (False,), "on": (True,), "off,on": (False, True)}[args.steal]]
+    # What is measured in turn: (label, hand-off, work stealing, host wait: None is the engine's default)
+    waits = [None] if args.host_wait == "auto" else args.host_wait.split(",")
+    variants = [(h + ("+steal" if on else "") + (f"+{w}" if w else ""), h, on, w) for h in handoffs
+                for on in {"off": (False,), "on": (True,), "off,on": (False, True)}[args.steal] for w in waits]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from tandem.config import parse_size
 
@@ -250,9 +254,15 @@ def main() -> None:
 
         rows = [{"batch": b, "by_handoff": {}} for b in batches]
         runs: dict[tuple[int, str], list[dict]] = {}  # (batch, hand-off) -> one dict per repeat
-        for n, (label, handoff, steal) in enumerate(variants * args.repeats):
-            use(handoff, steal)
+        def engine_for(wait: str | None) -> LLMEngine:
             engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
+            if wait is not None:
+                engine.waits_asleep = wait == "asleep"
+            return engine
+
+        for n, (label, handoff, steal, wait) in enumerate(variants * args.repeats):
+            use(handoff, steal)
+            engine = engine_for(wait)
             for row in rows:
                 b = row["batch"]
                 run_decode(engine, b, args.prompt, 8, seed=100 + b)  # warm-up
@@ -280,7 +290,7 @@ def main() -> None:
             if device == "cuda":  # the copies and hand-offs with nothing computed: the offload's own cost
                 torch.cuda.empty_cache()
                 use(handoff, steal, rows=zero_rows)
-                engine = make_engine(path, model, device, dtype, kv_bytes, max(batches), max_len)
+                engine = engine_for(wait)
                 for row in rows:
                     b = row["batch"]
                     run_decode(engine, b, args.prompt, 8, seed=500 + b)
@@ -293,7 +303,7 @@ def main() -> None:
             if bell is not None:
                 bell.check()
         for row in rows:  # per hand-off: the median of its repeats (by step time), and every step time
-            for label, _, _ in variants:
+            for label, *_ in variants:
                 got = sorted(runs[(row["batch"], label)], key=lambda g: g["step_ms"])
                 row["by_handoff"][label] = {**got[(len(got) - 1) // 2], "step_ms_runs": [g["step_ms"] for g in got]}
                 if "transfer_only_ms" in got[0]:

@@ -41,6 +41,8 @@ def test_graphs_with_cpu_experts_give_the_eager_tokens(model_dir):
     before = _steps(graphed, "cuda_graph")
     assert _greedy(graphed) == eager
     assert _steps(graphed, "cuda_graph") - before >= 20  # decode replayed graphs holding the hand-offs
+    graphed.engine.waits_asleep = True  # the host asleep while the steps run (blocking-sync events)
+    assert _greedy(graphed) == eager
     on_gpu = _greedy(LLM(str(model_dir), device="cuda", dtype="float32", kv_cache_memory="64MiB", max_num_seqs=4,
                          enforce_eager=True))
     assert eager == on_gpu  # fp32 CPU experts: the all-GPU tokens

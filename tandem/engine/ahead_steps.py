@@ -42,7 +42,7 @@ class AheadSteps:
         self.scheduler.commit(sched)
         prefilled = self.spec is not None and self.spec.take_drafter_prefilled()  # by `_observe`, just before
         self._in_flight = InFlightStep.launch(sched, tokens, logprobs, chained=prev is not None,
-                                              drafter_prefilled=prefilled)
+                                              drafter_prefilled=prefilled, asleep=self.waits_asleep)
         self.num_async_steps += 1
         return True
 

@@ -47,16 +47,17 @@ class InFlightStep:
 
     @classmethod
     def launch(cls, sched: SchedulerOutput, tokens: torch.Tensor, logprobs: tuple[torch.Tensor, ...] | None = None,
-               chained: bool = False, drafter_prefilled: bool = False) -> InFlightStep:
+               chained: bool = False, drafter_prefilled: bool = False, asleep: bool = False) -> InFlightStep:
         """Queue the copies of `tokens` and `logprobs` (`Sampler.logprobs_on_device`) to the host
-        behind the step's work."""
+        behind the step's work. `asleep`: `results` waits for them asleep (a blocking-sync event)
+        rather than spinning on a core (`LLMEngine.waits_asleep`)."""
         device = [tokens, *(logprobs or ())]
         if tokens.device.type != "cuda":
             return cls(sched, tokens, device, None, chained, drafter_prefilled)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in device]
         for h, t in zip(host, device):
             h.copy_(t, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(blocking=asleep)
         copied.record()
         return cls(sched, tokens, host, copied, chained, drafter_prefilled)
 

@@ -174,6 +174,7 @@ class SpecAhead:
         # --prefill-graph-max-tokens: the most tokens of a prompt step that drafts nothing to go ahead
         # when the runner has no graphs (eager); with graphs, the largest prefill graph (plain_for_prompt).
         self.prompt_tokens = prompt_tokens
+        self.asleep = False  # `LLMEngine.waits_asleep`: a landing waits for its tokens asleep
 
     @staticmethod
     def unsupported(spec: SpecDecoder, kv: KVCacheManager) -> str | None:
@@ -354,7 +355,7 @@ class SpecAhead:
         if self.device.type == "cuda":
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(blocking=self.asleep)
             copied.record()
         else:
             host = rows.clone()
