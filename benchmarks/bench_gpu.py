@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -210,22 +210,39 @@ def run_prefill(engine: LLMEngine, length: int, seed: int, reps: int = 3) -> dic
     return {"length": length, "prefill_tok_s": length / best, "seconds": best}
 
 
-def bracket_fused(engine: LLMEngine, batches: list[int], prompt: int, new_tokens: int) -> list[dict]:
-    """Decode with the fused small kernels on -> off -> on (same weights, graphs recaptured)."""
-    from tandem.kernels.fused import set_fused_ops
-
+def bracket(engine: LLMEngine, batches: list[int], prompt: int, new_tokens: int, name: str,
+            switch: Callable[[bool], None]) -> list[dict]:
+    """Decode with `switch(True)` -> `switch(False)` -> `switch(True)` (same weights, graphs
+    recaptured after each switch), labelled `name`; the switch is left on."""
     rows = []
     for phase, enabled in enumerate((True, False, True)):
-        set_fused_ops(enabled)
+        switch(enabled)
         engine.runner.graphs.clear()
         engine.runner.capture(engine.config.scheduler.max_num_seqs, {"decode": (1,)}, engine.max_model_len)
         for b in batches:
             run_decode(engine, b, prompt, 8, seed=500 + phase)  # warm-up
             r = run_decode(engine, b, prompt, new_tokens, seed=600 + phase)
-            rows.append({"fused": enabled, "phase": phase, **r})
-            print(f"fused={'on ' if enabled else 'off'} batch {b}: {r['decode_tok_s']:.1f} tok/s", flush=True)
+            rows.append({name: enabled, "phase": phase, **r})
+            print(f"{name}={'on ' if enabled else 'off'} batch {b}: {r['decode_tok_s']:.1f} tok/s", flush=True)
+    return rows
+
+
+def bracket_fused(engine: LLMEngine, batches: list[int], prompt: int, new_tokens: int) -> list[dict]:
+    """Decode with the fused small kernels on -> off -> on."""
+    from tandem.kernels.fused import set_fused_ops
+
+    rows = bracket(engine, batches, prompt, new_tokens, "fused", set_fused_ops)
     set_fused_ops(engine.runner_config.fused_ops)
     return rows
+
+
+def bracket_stacked_qkv(engine: LLMEngine, batches: list[int], prompt: int, new_tokens: int) -> list[dict]:
+    """Decode with q/k/v as one GEMM (`Attention.stack_qkv`, the default) -> three -> one."""
+    def switch(on: bool) -> None:
+        for layer in engine.model.attention_layers():
+            layer.stack_qkv() if on else layer.unstack_qkv()
+
+    return bracket(engine, batches, prompt, new_tokens, "stacked_qkv", switch)
 
 
 # -- verify-step cost -------------------------------------------------------------------------------
@@ -486,6 +503,9 @@ def bench_throughput(args: argparse.Namespace, cfg: dict, results: dict) -> None
         if args.compare_fused:
             results["fused_bracket"] = bracket_fused(engine, [b for b in batches if b in (1, max(batches))],
                                                      args.prompt, args.bracket_new_tokens)
+        if args.compare_stacked_qkv:
+            results["stacked_qkv_bracket"] = bracket_stacked_qkv(
+                engine, [b for b in batches if b in (1, max(batches))], args.prompt, args.bracket_new_tokens)
     b1 = results["decode"][0]
     if b1["batch"] == 1:
         print(f"batch-1 decode = {b1['pct_of_roofline']:.1f}% of roofline", flush=True)
@@ -512,6 +532,8 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=16.0)
     ap.add_argument("--compare-fused", action="store_true",
                     help="also bracket the fused small kernels: on -> off -> on, graphs recaptured each time")
+    ap.add_argument("--compare-stacked-qkv", action="store_true",
+                    help="also bracket decode with q/k/v as one GEMM -> three -> one (batch 1 and the largest)")
     ap.add_argument("--bracket-new-tokens", type=int, default=128)
     ap.add_argument("--verify-cost", action="store_true",
                     help="also time one forward step of B requests with q = 1..--verify-max-q query tokens each "

@@ -200,6 +200,39 @@ def test_packed_requests_match_transformers(pair):
     assert _err(s2["a"], want_a[40:]) <= TOL and _err(s2["b"], want_b[37:]) <= TOL
 
 
+def test_stacked_qkv_keeps_the_weights_and_the_logits(pair):
+    """q/k/v as one GEMM (`Attention.stack_qkv`, installed by every engine): the same parameter
+    names, each weight held once (the projections' weights are views of the stack), biases
+    stacked too, and the logits of three GEMMs."""
+    ref, ours = pair
+    torch.manual_seed(4)
+    ids = torch.randint(0, BASE["vocab_size"], (70,))
+    three = PagedRun(ours).step({"a": ids})["a"]
+    keys = set(ours.state_dict())
+    layers = ours.attention_layers()
+    for layer in layers:
+        layer.stack_qkv()
+    try:
+        assert set(ours.state_dict()) == keys
+        for layer in layers:
+            weight, bias = layer._qkv
+            rows = [p.weight.shape[0] for p in (layer.q_proj, layer.k_proj, layer.v_proj)]
+            assert weight.shape[0] == sum(rows)
+            assert layer.q_proj.weight.data_ptr() == weight.data_ptr()
+            assert layer.v_proj.weight.data_ptr() == weight[rows[0] + rows[1]:].data_ptr()
+            assert (bias is None) == (layer.q_proj.bias is None)
+            if bias is not None:
+                assert layer.k_proj.bias.data_ptr() == bias[rows[0]:].data_ptr()
+            layer.stack_qkv()  # again (an engine built again on the model): the same stack
+            assert layer._qkv[0].data_ptr() == weight.data_ptr()
+        one = PagedRun(ours).step({"a": ids})["a"]
+        assert _err(one, ref_logits(ref, ids)) <= TOL
+        assert _err(one, three) <= 1e-5
+    finally:
+        for layer in layers:
+            layer.unstack_qkv()
+
+
 def test_structure_and_kv_specs(pair):
     ref, ours = pair
     specs = ours.kv_cache_specs()

@@ -211,6 +211,8 @@ def install_kernels(model: CausalLM, rc: RunnerConfig, device: torch.device, log
     set_fused_ops(rc.fused_ops)  # process-wide; read when kernels run (and frozen into graphs)
     for layer in model.attention_layers():
         layer.set_backend(get_attention_backend(rc.attention_backend))
+        if hasattr(layer, "stack_qkv"):
+            layer.stack_qkv()  # one GEMM for q, k and v
     if hasattr(model, "set_attention_backend"):  # a model with attention kernels of its own (DeepSeek-V4)
         model.set_attention_backend(rc.attention_backend)
     if rc.moe_executor != "torch" and hasattr(model, "moe_blocks"):
