@@ -107,6 +107,22 @@ def test_split_kv_matches_torch_cpu(triton_paged, splits):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_q_k_v_as_views_of_one_projection_cpu(triton_paged):
+    """q, k and v as column views of one [T, (Hq + 2 Hkv) D] output (`Attention.stack_qkv`):
+    rows strided past Hq D, written and attended as the contiguous tensors are."""
+    q, k, v, cache, step = make_case([1, 3, 20], [9, 40, 20], hq=4, hkv=2, d=64, device=SMALL_DEVICE)
+    T = q.shape[0]
+    qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=1)
+    q2, k2, v2 = (x.view(T, -1, 64) for x in qkv.split((4 * 64, 2 * 64, 2 * 64), dim=1))
+    assert not k2.is_contiguous() and not v2.is_contiguous()
+    want_cache = cache.clone()
+    want = triton_paged.TritonPagedAttention().forward(q, k, v, want_cache, step, 0, 64**-0.5)
+    out, ref = run_both(triton_paged.TritonPagedAttention(), q2, k2, v2, cache, step)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(cache, want_cache, rtol=0, atol=0)
+
+
 def test_head_dim_128_and_block_size_32_cpu(triton_paged):
     q, k, v, cache, step = make_case([2, 1], [40, 9], hq=2, hkv=1, d=128, block_size=32, device=SMALL_DEVICE)
     out, ref = run_both(triton_paged.TritonPagedAttention(), q, k, v, cache, step)
