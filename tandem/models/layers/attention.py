@@ -4,9 +4,8 @@ rotary, then the attention backend, which writes this step's K/V and attends."""
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from tandem.attention import get_attention_backend
 from tandem.attention.backend import AttentionBackend
