@@ -68,7 +68,16 @@ V4_FLASH_EXPERTS = dict(
     QWEN3_30B_A3B, hidden_size=4096, num_hidden_layers=43, num_attention_heads=32, num_key_value_heads=4,
     head_dim=128, num_experts=256, num_experts_per_tok=6, moe_intermediate_size=2048, vocab_size=129280,
 )
-SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "v4-flash-experts": V4_FLASH_EXPERTS, "tiny": TINY_QWEN3_MOE}
+# A dense Qwen3 at the demo draft model's shape (tandem/assets/demo/draft): a decode whose every GEMV
+# is bound by its launch, as a draft model's steps are.
+DEMO_DRAFT = {
+    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 192, "num_hidden_layers": 4,
+    "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 512,
+    "vocab_size": 4672, "max_position_embeddings": 16384, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "v4-flash-experts": V4_FLASH_EXPERTS, "tiny": TINY_QWEN3_MOE,
+          "demo-draft": DEMO_DRAFT}
 
 
 def hbm_bandwidth(nbytes: int = 4 << 30, iters: int = 20) -> float:
@@ -92,10 +101,13 @@ def decode_bytes_per_token(cfg: dict, context: int) -> dict[str, float]:
     """Bytes a batch-1 decode step must read: the weights it touches and the KV cache it attends."""
     h, d = cfg["hidden_size"], cfg["head_dim"]
     hq, hkv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    layers, e, k, i = cfg["num_hidden_layers"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    layers = cfg["num_hidden_layers"]
     attention = layers * (h * hq + 2 * h * hkv + hq * h + 2 * d + 2 * h)
-    router = layers * e * h
-    experts = layers * k * 3 * h * i
+    if cfg.get("num_experts"):
+        e, k, i = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+        router, experts = layers * e * h, layers * k * 3 * h * i
+    else:  # dense: every layer's feed-forward block ("experts" below)
+        router, experts = 0, layers * 3 * h * cfg["intermediate_size"]
     lm_head = cfg["vocab_size"] * h + h
     weights = 2 * (attention + router + experts + lm_head)  # bf16
     kv = 2 * layers * 2 * hkv * context  # K and V, bf16
@@ -236,13 +248,16 @@ def bracket_fused(engine: LLMEngine, batches: list[int], prompt: int, new_tokens
     return rows
 
 
-def bracket_stacked_qkv(engine: LLMEngine, batches: list[int], prompt: int, new_tokens: int) -> list[dict]:
-    """Decode with q/k/v as one GEMM (`Attention.stack_qkv`, the default) -> three -> one."""
+def bracket_stacked(engine: LLMEngine, batches: list[int], prompt: int, new_tokens: int) -> list[dict]:
+    """Decode with the stacked projections (q/k/v as one GEMM, a dense layer's gate/up as one:
+    the default) -> separate -> stacked."""
     def switch(on: bool) -> None:
         for layer in engine.model.attention_layers():
             layer.stack_qkv() if on else layer.unstack_qkv()
+        for mlp in engine.model.dense_mlps():
+            mlp.stack_gate_up() if on else mlp.unstack_gate_up()
 
-    return bracket(engine, batches, prompt, new_tokens, "stacked_qkv", switch)
+    return bracket(engine, batches, prompt, new_tokens, "stacked", switch)
 
 
 # -- verify-step cost -------------------------------------------------------------------------------
@@ -503,9 +518,9 @@ def bench_throughput(args: argparse.Namespace, cfg: dict, results: dict) -> None
         if args.compare_fused:
             results["fused_bracket"] = bracket_fused(engine, [b for b in batches if b in (1, max(batches))],
                                                      args.prompt, args.bracket_new_tokens)
-        if args.compare_stacked_qkv:
-            results["stacked_qkv_bracket"] = bracket_stacked_qkv(
-                engine, [b for b in batches if b in (1, max(batches))], args.prompt, args.bracket_new_tokens)
+        if args.compare_stacked:
+            results["stacked_bracket"] = bracket_stacked(engine, [b for b in batches if b in (1, max(batches))],
+                                                         args.prompt, args.bracket_new_tokens)
     b1 = results["decode"][0]
     if b1["batch"] == 1:
         print(f"batch-1 decode = {b1['pct_of_roofline']:.1f}% of roofline", flush=True)
@@ -532,8 +547,9 @@ def main() -> None:
     ap.add_argument("--kv-gib", type=float, default=16.0)
     ap.add_argument("--compare-fused", action="store_true",
                     help="also bracket the fused small kernels: on -> off -> on, graphs recaptured each time")
-    ap.add_argument("--compare-stacked-qkv", action="store_true",
-                    help="also bracket decode with q/k/v as one GEMM -> three -> one (batch 1 and the largest)")
+    ap.add_argument("--compare-stacked", action="store_true",
+                    help="also bracket decode with the stacked projections (q/k/v as one GEMM, a dense layer's "
+                         "gate/up as one) -> separate -> stacked (batch 1 and the largest)")
     ap.add_argument("--bracket-new-tokens", type=int, default=128)
     ap.add_argument("--verify-cost", action="store_true",
                     help="also time one forward step of B requests with q = 1..--verify-max-q query tokens each "

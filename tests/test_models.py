@@ -200,19 +200,31 @@ def test_packed_requests_match_transformers(pair):
     assert _err(s2["a"], want_a[40:]) <= TOL and _err(s2["b"], want_b[37:]) <= TOL
 
 
-def test_stacked_qkv_keeps_the_weights_and_the_logits(pair):
-    """q/k/v as one GEMM (`Attention.stack_qkv`, installed by every engine): the same parameter
-    names, each weight held once (the projections' weights are views of the stack), biases
-    stacked too, and the logits of three GEMMs."""
+def test_stacked_projections_keep_the_weights_and_the_logits(pair):
+    """q/k/v as one GEMM (`Attention.stack_qkv`) and a dense layer's gate/up as one
+    (`SwiGLUMLP.stack_gate_up`), as every engine installs them: the same parameter names, each
+    weight held once (the projections' weights are views of the stack), biases stacked too, and
+    the logits of the separate GEMMs."""
     ref, ours = pair
     torch.manual_seed(4)
     ids = torch.randint(0, BASE["vocab_size"], (70,))
     three = PagedRun(ours).step({"a": ids})["a"]
     keys = set(ours.state_dict())
-    layers = ours.attention_layers()
+    layers, mlps = ours.attention_layers(), ours.dense_mlps()
+    moe = ours.moe_blocks() if ref.config.model_type == "qwen3_moe" else {}
+    assert mlps and len(mlps) + len(moe) == ref.config.num_hidden_layers  # every case has a dense layer
     for layer in layers:
         layer.stack_qkv()
+    for mlp in mlps:
+        mlp.stack_gate_up()
     try:
+        for mlp in mlps:
+            inter = mlp.gate_proj.weight.shape[0]
+            assert mlp.gate_proj.weight.data_ptr() == mlp._gate_up.data_ptr()
+            assert mlp.up_proj.weight.data_ptr() == mlp._gate_up[inter:].data_ptr()
+            stack = mlp._gate_up.data_ptr()
+            mlp.stack_gate_up()
+            assert mlp._gate_up.data_ptr() == stack
         assert set(ours.state_dict()) == keys
         for layer in layers:
             weight, bias = layer._qkv
@@ -231,6 +243,8 @@ def test_stacked_qkv_keeps_the_weights_and_the_logits(pair):
     finally:
         for layer in layers:
             layer.unstack_qkv()
+        for mlp in mlps:
+            mlp.unstack_gate_up()
 
 
 def test_structure_and_kv_specs(pair):

@@ -213,6 +213,8 @@ def install_kernels(model: CausalLM, rc: RunnerConfig, device: torch.device, log
         layer.set_backend(get_attention_backend(rc.attention_backend))
         if hasattr(layer, "stack_qkv"):
             layer.stack_qkv()  # one GEMM for q, k and v
+    for mlp in getattr(model, "dense_mlps", list)():
+        mlp.stack_gate_up()  # one GEMM for gate and up
     if hasattr(model, "set_attention_backend"):  # a model with attention kernels of its own (DeepSeek-V4)
         model.set_attention_backend(rc.attention_backend)
     if rc.moe_executor != "torch" and hasattr(model, "moe_blocks"):

@@ -157,6 +157,11 @@ class Qwen3ForCausalLM(CausalLM):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
+    def dense_mlps(self) -> list[SwiGLUMLP]:
+        """The layers' dense feed-forward blocks (every layer of a dense model; a MoE's
+        `mlp_only_layers`)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SwiGLUMLP)]
+
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         a = self.args
         return [KVCacheSpec("full", a.num_key_value_heads, a.head_dim, self.dtype) for _ in range(a.num_hidden_layers)]

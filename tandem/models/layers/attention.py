@@ -85,7 +85,7 @@ class Attention(nn.Module):
 
     def unstack_qkv(self) -> None:
         """Three GEMMs again (the weights stay views of the stack): the A/B of `stack_qkv`
-        (`bench_gpu.py --compare-stacked-qkv`); a graph captured before keeps the path it holds."""
+        (`bench_gpu.py --compare-stacked`); a graph captured before keeps the path it holds."""
         self._qkv = None
 
     def _project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
