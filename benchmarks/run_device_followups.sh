@@ -45,11 +45,12 @@
 # the V4 stand-in's GPU side goes at batch 1 (bench_offload --profile-gpu-side; issue 16's batch-1 miss), and the draft
 # model at K = 0 against none at 1 request in both engine orders (profile_step_intervals --spec-first; issue 15).
 # Session 25 ran `after23` and `after24`, then found no machine: `after25` then `after25b` (one call each, ~7 and
-# ~8 minutes; carry the llguidance wheel) measure what it built. `after25`: the host's wait for a step asleep against
+# ~9 minutes; carry the llguidance wheel) measure what it built. `after25`: the host's wait for a step asleep against
 # spinning, with the V4 experts in RAM (batch 1 and 4, interleaved three times, the GPU side profiled again with q/k/v
-# as one GEMM), then 16 kernel threads (the core the spinning wait took, given to the experts). `after25b`: q/k/v as
-# one GEMM against three on the Qwen3-30B-A3B shape (bracketed), the GPU tests of both, and the draft model's auto
-# against none at 1 and 4 requests, uninstrumented, with an A/A engine.
+# as one GEMM), then 16 kernel threads (the core the spinning wait took, given to the experts). `after25b`: the
+# stacked projections (q/k/v as one GEMM, a dense layer's gate/up as one) against separate ones, bracketed, on the
+# Qwen3-30B-A3B shape and at the demo draft model's dense shape; the GPU tests; and the draft model's auto against
+# none at 1 and 4 requests, uninstrumented, with an A/A engine.
 # After session 21 (its budget ran out before its last fixes were measured), `after21` (~5 minutes; carry the
 # llguidance wheel): the draft model's auto at K = 0 and at 16 requests after 94684c4 (zero holds kept across request
 # changes) and 8701cf1 (a landing that holds a prompt launch is not timed): the interval profile with its tallies and
@@ -78,8 +79,10 @@ timeout 170 python3 benchmarks/bench_offload.py --shape v4-flash-experts --cpu-m
     --gpu-budget 24GiB --threads 16 --batches 1,4 --new-tokens 16 --handoff poll --host-wait spin,asleep --repeats 2 \
     --out "$out/offload_v4_host_wait_t16.json" 2>&1 | grep --line-buffered "^batch\|Error" | tail -20
 elif [ "$part" = after25b ]; then
-timeout 120 python3 benchmarks/bench_gpu.py --batches 1,8 --new-tokens 128 --prefill 2048 --skip-hf --compare-stacked-qkv \
-    --out "$out/gpu_stacked_qkv.json" 2>&1 | grep "stacked_qkv=\|tandem decode\|Error"
+timeout 120 python3 benchmarks/bench_gpu.py --batches 1,8 --new-tokens 128 --prefill 2048 --skip-hf --compare-stacked \
+    --out "$out/gpu_stacked.json" 2>&1 | grep "stacked=\|tandem decode\|Error"
+timeout 60 python3 benchmarks/bench_gpu.py --shape demo-draft --batches 1,8 --new-tokens 128 --prefill 256 --skip-hf \
+    --compare-stacked --out "$out/gpu_stacked_demo_draft.json" 2>&1 | grep "stacked=\|tandem decode\|Error"
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_offload.py tests/test_gpu.py tests/test_fused_kernels.py \
     2>&1 | tail -4 | tee "$out/gpu_tests.txt"
 timeout 200 python3 benchmarks/bench_auto.py --device cuda --methods draft_model --kmax 7 --concurrency 1,4 --rounds 5 \
