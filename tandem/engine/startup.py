@@ -215,6 +215,8 @@ def install_kernels(model: CausalLM, rc: RunnerConfig, device: torch.device, log
             layer.stack_qkv()  # one GEMM for q, k and v
     for mlp in getattr(model, "dense_mlps", list)():
         mlp.stack_gate_up()  # one GEMM for gate and up
+    if device.type == "cuda":  # the separate projections' freed blocks: back to the device, not kept cached
+        torch.cuda.empty_cache()
     if hasattr(model, "set_attention_backend"):  # a model with attention kernels of its own (DeepSeek-V4)
         model.set_attention_backend(rc.attention_backend)
     if rc.moe_executor != "torch" and hasattr(model, "moe_blocks"):
