@@ -220,11 +220,12 @@ def test_stacked_projections_keep_the_weights_and_the_logits(pair):
     try:
         for mlp in mlps:
             inter = mlp.gate_proj.weight.shape[0]
-            assert mlp.gate_proj.weight.data_ptr() == mlp._gate_up.data_ptr()
-            assert mlp.up_proj.weight.data_ptr() == mlp._gate_up[inter:].data_ptr()
-            stack = mlp._gate_up.data_ptr()
+            stack, bias = mlp._gate_up
+            assert bias is None and stack.shape[0] == 2 * inter
+            assert mlp.gate_proj.weight.data_ptr() == stack.data_ptr()
+            assert mlp.up_proj.weight.data_ptr() == stack[inter:].data_ptr()
             mlp.stack_gate_up()
-            assert mlp._gate_up.data_ptr() == stack
+            assert mlp._gate_up[0].data_ptr() == stack.data_ptr()
         assert set(ours.state_dict()) == keys
         for layer in layers:
             weight, bias = layer._qkv

@@ -13,6 +13,7 @@ from tandem.core import StepMetadata
 from tandem.kernels import fused
 from tandem.models.layers.norm import RMSNorm
 from tandem.models.layers.rotary import apply_rotary
+from tandem.models.layers.stacking import Stacked, stack_linears
 
 
 class Attention(nn.Module):
@@ -51,7 +52,7 @@ class Attention(nn.Module):
         self.kv_scales: torch.Tensor | None = None  # fp8 pages: [2, num_blocks, block_size, Hkv] float32
         self.cache_group = 0
         # After `stack_qkv`: (weight [q + 2 kv, H], bias or None) that q/k/v_proj's tensors are views of.
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._qkv: Stacked | None = None
 
     def bind_kv_cache(self, cache: torch.Tensor, group: int, scales: torch.Tensor | None = None) -> None:
         self.kv_cache = cache
@@ -62,26 +63,9 @@ class Attention(nn.Module):
         self.backend = backend
 
     def stack_qkv(self) -> None:
-        """Stack the q, k and v projections into one weight (and bias) so that a step computes
-        them in one GEMM: at decode the k and v GEMVs are a few MB each, bound by their launches
-        (on the H100, 4.7 us each plus a split-K reduce, against 13.6 us for a 33 MB q; issue 16's
-        profile of the V4 shape). q_proj/k_proj/v_proj's weights are re-pointed at views of the
-        stack: parameter names, shapes and `state_dict` keys are unchanged and each weight is held
-        once. Idempotent (an engine built again on the same model calls it again)."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if self._qkv is not None and self.q_proj.weight.data_ptr() == self._qkv[0].data_ptr():
-            return
-        weight = torch.cat([p.weight.detach() for p in projs])  # [q + 2 kv, H]
-        bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
-        at = 0
-        for p in projs:
-            rows = p.weight.shape[0]
-            # New Parameters alias the stack (no copy); assigning them drops the old tensors.
-            p.weight = nn.Parameter(weight[at : at + rows], requires_grad=False)
-            if bias is not None:
-                p.bias = nn.Parameter(bias[at : at + rows], requires_grad=False)
-            at += rows
-        self._qkv = (weight, bias)
+        """q, k and v in one GEMM (tandem/models/layers/stacking.py): q_proj/k_proj/v_proj's
+        weights and biases become views of one stack. Idempotent."""
+        self._qkv = stack_linears((self.q_proj, self.k_proj, self.v_proj), self._qkv)
 
     def unstack_qkv(self) -> None:
         """Three GEMMs again (the weights stay views of the stack): the A/B of `stack_qkv`

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import fused
+from tandem.models.layers.stacking import Stacked, stack_linears
 
 
 def check_activation(name: str) -> None:
@@ -23,21 +24,13 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self._gate_up: torch.Tensor | None = None  # after `stack_gate_up`: [2I, H], gate rows then up rows
+        self._gate_up: Stacked | None = None  # after `stack_gate_up`: ([2I, H] gate rows then up rows, None)
 
     def stack_gate_up(self) -> None:
-        """Stack gate_proj and up_proj into one [2I, H] weight so that a step computes both in one
-        GEMM (a dense layer's, e.g. a draft model's: at decode its GEMVs are bound by their
-        launches). Their weights are re-pointed at views of the stack, as `Attention.stack_qkv`
-        does: names and `state_dict` keys unchanged, each weight held once; idempotent. Not for a
-        MoE's experts: their executor stacks them its own way (tandem/kernels/moe_grouped.py)."""
-        if self._gate_up is not None and self.gate_proj.weight.data_ptr() == self._gate_up.data_ptr():
-            return
-        inter = self.gate_proj.weight.shape[0]
-        stack = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
-        self.gate_proj.weight = nn.Parameter(stack[:inter], requires_grad=False)
-        self.up_proj.weight = nn.Parameter(stack[inter:], requires_grad=False)
-        self._gate_up = stack
+        """gate and up in one GEMM (tandem/models/layers/stacking.py; a dense layer's, e.g. a draft
+        model's): gate_proj/up_proj's weights become views of one [2I, H] stack. Idempotent. Not
+        for a MoE's experts: their executor stacks them its own way (tandem/kernels/moe_grouped.py)."""
+        self._gate_up = stack_linears((self.gate_proj, self.up_proj), self._gate_up)
 
     def unstack_gate_up(self) -> None:
         """Two GEMMs again (the weights stay views of the stack): the A/B of `stack_gate_up`
@@ -46,7 +39,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         if self._gate_up is not None:
-            gate_up = F.linear(x, self._gate_up)  # [T, 2I]
+            gate_up = F.linear(x, *self._gate_up)  # [T, 2I]
             if fused.use_fused(gate_up):
                 return self.down_proj(fused.silu_mul(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
