@@ -105,7 +105,7 @@ class AheadSteps:
             return False  # a plain step: the plain path runs it (after a step ahead, this one must)
         pendings = self.spec.pending_choices(reqs)
         try:
-            launched = ahead.launch(reqs, ks, prev, pendings)
+            launched = ahead.launch(reqs, ks, prev, pendings, asleep=self.waits_asleep)
         except Exception as e:  # noqa: BLE001 - as a failed forward in `step`: its requests end
             self._ahead_failure = (e, reqs)  # after the step in flight lands (`_ahead_failed`)
             return False

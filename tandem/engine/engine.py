@@ -102,7 +102,12 @@ class LLMEngine(AheadSteps):
         self._ahead_failure: tuple[Exception, list[Request]] | None = None  # a step ahead's launch raised
         self.num_async_steps = 0  # steps left in flight at launch
         self.async_scheduling = config.scheduler.async_scheduling  # resolved and logged by its setter
-        self.waits_asleep = False  # CUDA's default: the host spins on a core until a step's tokens are back
+        # Whether the host waits for a step's tokens asleep (blocking-sync events) rather than
+        # spinning on a core, CUDA's default. With routed experts in RAM a step takes ~40 ms (the V4
+        # shape) and the expert kernel's threads want every core but one, which the spinning wait
+        # takes; off until an A/B shows it pays (`bench_offload.py --host-wait spin,asleep`). A
+        # benchmark may switch it between steps.
+        self.waits_asleep = False
         if self.spec is not None and config.spec.adaptive == "auto":
             self.spec.start_auto(self.runner, config.scheduler.max_num_seqs, plain_overlaps=self.async_scheduling)
         self.metrics = EngineMetrics(self.model_name)
@@ -168,21 +173,6 @@ class LLMEngine(AheadSteps):
         self._async = self._async_scheduling_allowed(asked)
         if self.spec is not None and self.spec.auto is not None:
             self.spec.auto.cost.plain_overlaps = self._async
-
-    @property
-    def waits_asleep(self) -> bool:
-        """Whether the host thread waits for a step's tokens asleep (a blocking-sync event) rather
-        than spinning on a core, as CUDA's default does. With routed experts in RAM a step takes
-        ~40 ms (the V4 shape) and the expert kernel's threads want every core but one, which the
-        spinning wait takes; off until an A/B shows it pays (`bench_offload.py --host-wait
-        spin,asleep`). A benchmark may switch it between steps."""
-        return self._asleep
-
-    @waits_asleep.setter
-    def waits_asleep(self, on: bool) -> None:
-        self._asleep = on
-        if self._spec_ahead is not None:
-            self._spec_ahead.asleep = on
 
     def _async_scheduling_allowed(self, asked: bool | None) -> bool:
         on = self.device.type == "cuda" if asked is None else asked

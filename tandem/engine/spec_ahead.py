@@ -174,7 +174,6 @@ class SpecAhead:
         # --prefill-graph-max-tokens: the most tokens of a prompt step that drafts nothing to go ahead
         # when the runner has no graphs (eager); with graphs, the largest prefill graph (plain_for_prompt).
         self.prompt_tokens = prompt_tokens
-        self.asleep = False  # `LLMEngine.waits_asleep`: a landing waits for its tokens asleep
 
     @staticmethod
     def unsupported(spec: SpecDecoder, kv: KVCacheManager) -> str | None:
@@ -309,10 +308,11 @@ class SpecAhead:
 
     # -- launch -----------------------------------------------------------------------------------
     def launch(self, reqs: list[Request], ks: list[int], prev: InFlightStep | SpecAheadStep | None,
-               pendings: list[object | None]) -> tuple[SpecAheadStep, str] | None:
+               pendings: list[object | None], asleep: bool = False) -> tuple[SpecAheadStep, str] | None:
         """Queue a step ahead of `prev` (see the module docstring); returns it and how it ran
         (`ForwardOutput.mode`). None, launching nothing, when a request's slots do not fit (the
-        synchronous step then preempts)."""
+        synchronous step then preempts). `asleep`: its landing waits for its tokens asleep
+        (`LLMEngine.waits_asleep`)."""
         params = [r.params for r in reqs]
         sampled = not all(p.greedy for p in params)
         if not self.runner.can_run_ahead(len(reqs), 1 + max(ks), sampled):
@@ -355,7 +355,7 @@ class SpecAhead:
         if self.device.type == "cuda":
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)
-            copied = torch.cuda.Event(blocking=self.asleep)
+            copied = torch.cuda.Event(blocking=asleep)
             copied.record()
         else:
             host = rows.clone()
